@@ -1,0 +1,17 @@
+//! memtide's mechanism: managed memory in a userfaultfd-registered arena, faults served in the
+//! faulting thread, eviction to a tier-1 file that never loses a write. All `unsafe` in memtide
+//! lives in this crate. Entry point: [`Engine::start`].
+
+mod arena;
+mod engine;
+mod pages;
+pub mod signal;
+pub mod stats;
+pub mod sys;
+pub mod tier;
+pub mod uffd;
+
+pub use engine::{process_rss_bytes, Config, Engine, Fault, MemError, Pinned, StartError};
+pub use stats::Snapshot;
+pub use tier::TierOpenError;
+pub use uffd::OpenError;

@@ -1,0 +1,317 @@
+//! The per-page state table: one atomic word per page of the arena, plus side arrays for the
+//! tier-1 slot, the staging slot and the content hash of the tier-1 copy. Entry points:
+//! [`PageTable`], [`State`].
+//!
+//! # Invariants
+//!
+//! - Only the thread that moved a page into [`State::Busy`] (by compare-and-swap) changes its
+//!   mapping, its side arrays or its state; everyone else waits on the word (a futex).
+//! - `Writing` is owned by the evictor in the same way.
+//! - A page is `Mapped` only while its bytes are mapped at its address in the arena; `Staged`
+//!   and `Writing` only while its bytes are mapped at its staging slot; `Evicted` only while its
+//!   bytes are in its tier-1 slot and nowhere else.
+//! - Every transition out of `Busy`/`Writing` goes through [`PageTable::publish`], which wakes
+//!   waiters.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use memtide_policy::Activeness;
+
+use crate::sys::{self, Mapping};
+
+/// Where a page is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum State {
+    /// Not allocated to the program (arena free space).
+    Free = 0,
+    /// Allocated, never touched (or discarded): reads as zeros.
+    Unpopulated = 1,
+    /// In DRAM, mapped into the program.
+    Mapped = 2,
+    /// In DRAM at a staging slot, unmapped from the program: the inactive list.
+    Staged = 3,
+    /// At a staging slot, being written to tier 1 by the evictor.
+    Writing = 4,
+    /// Only in tier 1.
+    Evicted = 5,
+    /// A thread is moving it; wait.
+    Busy = 6,
+}
+
+const STATE_MASK: u32 = 0xF;
+const WAITERS: u32 = 1 << 4;
+const PIN_SHIFT: u32 = 8;
+const PIN_ONE: u32 = 1 << PIN_SHIFT;
+const PIN_MASK: u32 = 0xFF << PIN_SHIFT;
+const HIST_SHIFT: u32 = 16;
+const HIST_MASK: u32 = 0xFF << HIST_SHIFT;
+
+/// No staging slot / no tier slot.
+pub const NONE: u32 = u32::MAX;
+
+/// A decoded page word.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Word(pub u32);
+
+impl Word {
+    pub fn state(self) -> State {
+        match self.0 & STATE_MASK {
+            0 => State::Free,
+            1 => State::Unpopulated,
+            2 => State::Mapped,
+            3 => State::Staged,
+            4 => State::Writing,
+            5 => State::Evicted,
+            _ => State::Busy,
+        }
+    }
+
+    pub fn pins(self) -> u32 {
+        (self.0 & PIN_MASK) >> PIN_SHIFT
+    }
+
+    pub fn history(self) -> Activeness {
+        Activeness(((self.0 & HIST_MASK) >> HIST_SHIFT) as u8)
+    }
+
+    fn with_state(self, s: State) -> Word {
+        Word((self.0 & !(STATE_MASK | WAITERS)) | s as u32)
+    }
+
+    fn with_history(self, h: Activeness) -> Word {
+        Word((self.0 & !HIST_MASK) | ((h.0 as u32) << HIST_SHIFT))
+    }
+}
+
+/// State words and side arrays for every page of an arena.
+pub struct PageTable {
+    words: Mapping,
+    /// Tier-1 slot holding a valid copy of the page, or [`NONE`].
+    slots: Mapping,
+    /// Staging slot while `Staged`/`Writing`, or [`NONE`].
+    stages: Mapping,
+    /// xxh3 of the tier-1 copy (valid when the slot is not `NONE`).
+    hashes: Mapping,
+    /// Length in pages of the allocation starting at this page (0 elsewhere).
+    lens: Mapping,
+    pages: usize,
+}
+
+impl PageTable {
+    /// A table for `pages` pages; the arrays are reserved, not committed, so untouched parts of
+    /// a large arena cost nothing.
+    pub fn new(pages: usize) -> std::io::Result<PageTable> {
+        let t = PageTable {
+            words: Mapping::anon(pages * 4)?,
+            slots: Mapping::anon(pages * 4)?,
+            stages: Mapping::anon(pages * 4)?,
+            hashes: Mapping::anon(pages * 8)?,
+            lens: Mapping::anon(pages * 4)?,
+            pages,
+        };
+        Ok(t)
+    }
+
+    pub fn pages(&self) -> usize {
+        self.pages
+    }
+
+    pub fn word(&self, i: usize) -> &AtomicU32 {
+        &self.words.as_slice::<AtomicU32>()[i]
+    }
+
+    pub fn load(&self, i: usize) -> Word {
+        Word(self.word(i).load(Ordering::Acquire))
+    }
+
+    /// Tier slot of page `i`, if it has a valid tier-1 copy. Slots are stored +1 so that the
+    /// zero-filled array means "none".
+    pub fn slot(&self, i: usize) -> Option<u64> {
+        match self.slots.as_slice::<AtomicU32>()[i].load(Ordering::Acquire) {
+            0 => None,
+            s => Some(s as u64 - 1),
+        }
+    }
+
+    pub fn set_slot(&self, i: usize, slot: Option<u64>) {
+        let v = slot.map_or(0, |s| s as u32 + 1);
+        self.slots.as_slice::<AtomicU32>()[i].store(v, Ordering::Release);
+    }
+
+    pub fn stage(&self, i: usize) -> u32 {
+        // Stored +1 as well.
+        self.stages.as_slice::<AtomicU32>()[i]
+            .load(Ordering::Acquire)
+            .wrapping_sub(1)
+    }
+
+    pub fn set_stage(&self, i: usize, s: u32) {
+        self.stages.as_slice::<AtomicU32>()[i].store(s.wrapping_add(1), Ordering::Release);
+    }
+
+    pub fn hash(&self, i: usize) -> u64 {
+        self.hashes.as_slice::<AtomicU64>()[i].load(Ordering::Acquire)
+    }
+
+    pub fn set_hash(&self, i: usize, h: u64) {
+        self.hashes.as_slice::<AtomicU64>()[i].store(h, Ordering::Release);
+    }
+
+    pub fn block_len(&self, i: usize) -> usize {
+        self.lens.as_slice::<AtomicU32>()[i].load(Ordering::Acquire) as usize
+    }
+
+    pub fn set_block_len(&self, i: usize, pages: usize) {
+        self.lens.as_slice::<AtomicU32>()[i]
+            .store(pages.min(u32::MAX as usize) as u32, Ordering::Release);
+    }
+
+    /// Claims page `i` if it is in state `from` (and, when `unpinned`, has no pins): moves it to
+    /// `Busy` and returns the word it had.
+    pub fn claim(&self, i: usize, from: State, unpinned: bool) -> Option<Word> {
+        let w = self.load(i);
+        if w.state() != from || (unpinned && w.pins() != 0) {
+            return None;
+        }
+        self.word(i)
+            .compare_exchange(
+                w.0,
+                w.with_state(State::Busy).0 | (w.0 & WAITERS),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .ok()
+            .map(Word)
+    }
+
+    /// Claims page `i` whatever its state, waiting while it is `Busy` or `Writing`. Returns the
+    /// word it had, or `None` if it was `Free`.
+    pub fn claim_any(&self, i: usize) -> Option<Word> {
+        loop {
+            let w = self.load(i);
+            match w.state() {
+                State::Free => return None,
+                State::Busy | State::Writing => self.wait(i, w),
+                s => {
+                    if let Some(old) = self.claim(i, s, false) {
+                        return Some(old);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Moves a page this thread owns (`Busy` or `Writing`) to `to`, optionally setting its
+    /// history, and wakes anyone waiting on it.
+    pub fn publish(&self, i: usize, to: State, history: Option<Activeness>) {
+        let word = self.word(i);
+        let mut cur = word.load(Ordering::Acquire);
+        loop {
+            let mut next = Word(cur).with_state(to);
+            if let Some(h) = history {
+                next = next.with_history(h);
+            }
+            match word.compare_exchange_weak(cur, next.0, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => break,
+                Err(c) => cur = c,
+            }
+        }
+        if cur & WAITERS != 0 {
+            sys::futex_wake(word);
+        }
+    }
+
+    /// Waits until page `i` leaves the state seen in `seen` (or a short timeout passes: callers
+    /// loop and re-check, so a lost wake-up costs a millisecond, never a hang).
+    pub fn wait(&self, i: usize, seen: Word) {
+        let word = self.word(i);
+        let with = seen.0 | WAITERS;
+        if seen.0 & WAITERS == 0
+            && word
+                .compare_exchange(seen.0, with, Ordering::AcqRel, Ordering::Acquire)
+                .is_err()
+        {
+            return;
+        }
+        sys::futex_wait(word, with, 1_000_000);
+    }
+
+    /// Adds a pin to a `Mapped` page (it may not be evicted while pinned). Fails if the page is
+    /// not mapped or has the most pins a word can count.
+    pub fn pin(&self, i: usize) -> bool {
+        let w = self.load(i);
+        if w.state() != State::Mapped || w.pins() == 0xFF {
+            return false;
+        }
+        self.word(i)
+            .compare_exchange(w.0, w.0 + PIN_ONE, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    pub fn unpin(&self, i: usize) {
+        self.word(i).fetch_sub(PIN_ONE, Ordering::AcqRel);
+    }
+
+    /// Ends an epoch for page `i`: shifts its history. Returns the history before the shift.
+    pub fn age(&self, i: usize) -> Activeness {
+        let word = self.word(i);
+        let mut cur = word.load(Ordering::Relaxed);
+        loop {
+            let w = Word(cur);
+            let next = w.with_history(w.history().age());
+            if next == w {
+                return w.history();
+            }
+            match word.compare_exchange_weak(cur, next.0, Ordering::AcqRel, Ordering::Relaxed) {
+                Ok(_) => return w.history(),
+                Err(c) => cur = c,
+            }
+        }
+    }
+
+    /// Marks a `Free` page allocated (`Unpopulated`). Only the arena allocator calls this, on
+    /// pages no one else can reach.
+    pub fn allocate(&self, i: usize) {
+        debug_assert_eq!(self.load(i).state(), State::Free);
+        self.word(i)
+            .store(State::Unpopulated as u32, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn claim_publish_round_trip_keeps_pins_and_history() {
+        let t = PageTable::new(4).unwrap();
+        t.allocate(1);
+        assert!(t.claim(1, State::Mapped, false).is_none());
+        let old = t.claim(1, State::Unpopulated, false).unwrap();
+        assert_eq!(old.state(), State::Unpopulated);
+        assert_eq!(t.load(1).state(), State::Busy);
+        t.publish(1, State::Mapped, Some(Activeness::TOUCHED));
+        assert!(t.pin(1));
+        assert_eq!(t.load(1).pins(), 1);
+        assert!(
+            t.claim(1, State::Mapped, true).is_none(),
+            "pinned pages are not evictable"
+        );
+        t.unpin(1);
+        assert_eq!(t.age(1), Activeness::TOUCHED);
+        assert_eq!(t.load(1).history(), Activeness(0x40));
+        assert!(t.claim(1, State::Mapped, true).is_some());
+    }
+
+    #[test]
+    fn side_arrays_default_to_none() {
+        let t = PageTable::new(2).unwrap();
+        assert_eq!(t.slot(0), None);
+        assert_eq!(t.stage(0), NONE);
+        t.set_slot(0, Some(0));
+        t.set_stage(0, 7);
+        assert_eq!(t.slot(0), Some(0));
+        assert_eq!(t.stage(0), 7);
+    }
+}

@@ -1,0 +1,226 @@
+//! The engine's counters: relaxed atomics in one place, updated from the fault path (so no
+//! locks, no allocation), read into a serializable [`Snapshot`]. Names follow the metric
+//! contract in DESIGN.md (`memtide_<subsystem>_<what>`). Entry points: [`Counters`],
+//! [`LatencyHistogram`], [`Snapshot`].
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+use serde::{Deserialize, Serialize};
+
+/// Latency histogram with log-linear buckets (8 per power of two), lock-free.
+pub struct LatencyHistogram {
+    buckets: [AtomicU64; Self::BUCKETS],
+    count: AtomicU64,
+    sum_ns: AtomicU64,
+}
+
+impl Default for LatencyHistogram {
+    fn default() -> Self {
+        LatencyHistogram {
+            buckets: std::array::from_fn(|_| AtomicU64::new(0)),
+            count: AtomicU64::new(0),
+            sum_ns: AtomicU64::new(0),
+        }
+    }
+}
+
+impl LatencyHistogram {
+    const SUB: u32 = 8;
+    const BUCKETS: usize = 60 * Self::SUB as usize;
+
+    fn index(ns: u64) -> usize {
+        if ns < Self::SUB as u64 {
+            return ns as usize;
+        }
+        let exp = 63 - ns.leading_zeros();
+        let sub = (ns >> (exp - 3)) & (Self::SUB as u64 - 1);
+        ((exp - 2) * Self::SUB + sub as u32) as usize
+    }
+
+    /// Lower bound in nanoseconds of bucket `i` (inverse of `index`).
+    fn lower(i: usize) -> u64 {
+        if i < Self::SUB as usize {
+            return i as u64;
+        }
+        let exp = i as u32 / Self::SUB + 2;
+        let sub = i as u64 % Self::SUB as u64;
+        (1u64 << exp) + (sub << (exp - 3))
+    }
+
+    pub fn record(&self, ns: u64) {
+        self.buckets[Self::index(ns).min(Self::BUCKETS - 1)].fetch_add(1, Relaxed);
+        self.count.fetch_add(1, Relaxed);
+        self.sum_ns.fetch_add(ns, Relaxed);
+    }
+
+    pub fn count(&self) -> u64 {
+        self.count.load(Relaxed)
+    }
+
+    /// The value at quantile `q` (0..=1) in microseconds, to bucket resolution (12.5%); 0 when
+    /// empty.
+    pub fn quantile_us(&self, q: f64) -> f64 {
+        let total = self.count();
+        if total == 0 {
+            return 0.0;
+        }
+        let rank = ((total as f64) * q).ceil().max(1.0) as u64;
+        let mut seen = 0;
+        for (i, b) in self.buckets.iter().enumerate() {
+            seen += b.load(Relaxed);
+            if seen >= rank {
+                // Midpoint of the bucket.
+                let lo = Self::lower(i);
+                let hi = Self::lower(i + 1);
+                return (lo + hi) as f64 / 2.0 / 1000.0;
+            }
+        }
+        0.0
+    }
+
+    pub fn mean_us(&self) -> f64 {
+        let n = self.count();
+        if n == 0 {
+            0.0
+        } else {
+            self.sum_ns.load(Relaxed) as f64 / n as f64 / 1000.0
+        }
+    }
+}
+
+/// Everything the engine counts.
+#[derive(Default)]
+pub struct Counters {
+    /// First touches served with zeros (pages).
+    pub faults_zero: AtomicU64,
+    /// Faults served by reading tier 1.
+    pub faults_tier: AtomicU64,
+    /// Faults on an inactive page still in DRAM (promoted back without I/O).
+    pub faults_inactive: AtomicU64,
+    /// Faults that waited for another thread's move of the same page.
+    pub faults_wait: AtomicU64,
+    /// Pages brought in by read-ahead beside a faulting page.
+    pub readahead_pages: AtomicU64,
+    /// Pages promoted to DRAM (tier-1 reads and inactive hits).
+    pub promotions: AtomicU64,
+    /// Pages demoted to tier 1 (written or dropped clean).
+    pub demotions: AtomicU64,
+    /// Demotions that needed no write: a valid tier-1 copy existed.
+    pub demotions_clean: AtomicU64,
+    /// Demotions of all-zero pages: dropped, no tier space used.
+    pub demotions_zero: AtomicU64,
+    /// Pages unmapped into the inactive list.
+    pub deactivations: AtomicU64,
+    pub tier_read_bytes: AtomicU64,
+    pub tier_write_bytes: AtomicU64,
+    pub tier_write_ops: AtomicU64,
+    pub tier_errors: AtomicU64,
+    /// Times a faulting thread waited for eviction to make room.
+    pub quota_waits: AtomicU64,
+    /// Pages admitted above the quota because eviction could not make room.
+    pub quota_overruns: AtomicU64,
+    pub epochs: AtomicU64,
+    pub scan_cpu_ns: AtomicU64,
+    pub evict_cpu_ns: AtomicU64,
+    pub peak_resident_pages: AtomicU64,
+    pub active_pages: AtomicU64,
+    /// Pages of memory currently allocated to the program in managed regions.
+    pub managed_pages: AtomicU64,
+    pub peak_managed_pages: AtomicU64,
+    pub tier_read_latency: LatencyHistogram,
+    pub fault_tier_latency: LatencyHistogram,
+}
+
+impl Counters {
+    pub fn bump(c: &AtomicU64) {
+        c.fetch_add(1, Relaxed);
+    }
+
+    pub fn add(c: &AtomicU64, n: u64) {
+        c.fetch_add(n, Relaxed);
+    }
+
+    pub fn peak(c: &AtomicU64, v: u64) {
+        c.fetch_max(v, Relaxed);
+    }
+}
+
+/// A point-in-time copy of the counters, as written to `--stats` files and printed at exit.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Snapshot {
+    pub pid: u32,
+    pub elapsed_seconds: f64,
+    pub quota_bytes: u64,
+    pub dram_bytes: u64,
+    pub peak_dram_bytes: u64,
+    pub inactive_bytes: u64,
+    pub tier_bytes: u64,
+    pub tier_file_bytes: u64,
+    pub managed_bytes: u64,
+    pub peak_managed_bytes: u64,
+    pub active_bytes: u64,
+    pub process_rss_bytes: u64,
+    pub faults_zero: u64,
+    pub faults_tier: u64,
+    pub faults_inactive: u64,
+    pub faults_wait: u64,
+    pub readahead_pages: u64,
+    pub promotions: u64,
+    pub demotions: u64,
+    pub demotions_clean: u64,
+    pub demotions_zero: u64,
+    pub deactivations: u64,
+    pub tier_read_bytes: u64,
+    pub tier_write_bytes: u64,
+    pub tier_write_ops: u64,
+    pub tier_errors: u64,
+    pub tier_read_latency_p50_us: f64,
+    pub tier_read_latency_p99_us: f64,
+    pub fault_tier_latency_p50_us: f64,
+    pub fault_tier_latency_p99_us: f64,
+    pub quota_waits: u64,
+    pub quota_overruns: u64,
+    pub epochs: u64,
+    pub scan_cpu_seconds: f64,
+    pub evict_cpu_seconds: f64,
+    pub tier: String,
+    pub warnings: Vec<String>,
+}
+
+impl Snapshot {
+    /// Managed memory as a fraction of the process's resident size plus its tier-1 bytes:
+    /// how much of the program memtide actually tiers.
+    pub fn coverage(&self) -> f64 {
+        let whole = self.process_rss_bytes + self.tier_bytes;
+        if whole == 0 {
+            return 0.0;
+        }
+        (self.peak_managed_bytes.min(whole)) as f64 / whole as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_quantiles_within_bucket_resolution() {
+        let h = LatencyHistogram::default();
+        for us in 1..=100u64 {
+            h.record(us * 1000);
+        }
+        let p50 = h.quantile_us(0.5);
+        let p99 = h.quantile_us(0.99);
+        assert!((p50 - 50.0).abs() / 50.0 < 0.13, "p50 {p50}");
+        assert!((p99 - 99.0).abs() / 99.0 < 0.13, "p99 {p99}");
+        assert!((h.mean_us() - 50.5).abs() < 0.01);
+    }
+
+    #[test]
+    fn bucket_bounds_are_monotonic_and_inverse() {
+        for i in 0..LatencyHistogram::BUCKETS - 1 {
+            assert!(LatencyHistogram::lower(i) < LatencyHistogram::lower(i + 1));
+            assert_eq!(LatencyHistogram::index(LatencyHistogram::lower(i)), i);
+        }
+    }
+}

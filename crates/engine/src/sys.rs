@@ -1,0 +1,321 @@
+//! Thin, async-signal-safe wrappers over the system calls the engine uses.
+//!
+//! The engine runs inside programs whose `mmap`, `read`, `write` and `sigaction` may be
+//! interposed by memtide's own preload library, so it never calls those through libc: it issues
+//! the raw system calls here. Everything in this file is safe to call from a signal handler
+//! (no allocation, no locks). Entry points: [`Mapping`], [`futex_wait`], [`futex_wake`],
+//! [`now_ns`].
+
+use std::io;
+use std::sync::atomic::AtomicU32;
+
+use memtide_policy::PAGE_SIZE;
+
+/// Turns a raw system-call return value into a result, keeping errno.
+fn check(ret: libc::c_long) -> io::Result<usize> {
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret as usize)
+    }
+}
+
+/// `mmap(2)` as a raw system call.
+///
+/// # Safety
+///
+/// The caller must uphold `mmap`'s contract: with `MAP_FIXED`, nothing of value may live in the
+/// target range.
+pub unsafe fn mmap(
+    addr: usize,
+    len: usize,
+    prot: i32,
+    flags: i32,
+    fd: i32,
+    off: i64,
+) -> io::Result<usize> {
+    // SAFETY: forwarded contract of this function.
+    let ret = unsafe { libc::syscall(libc::SYS_mmap, addr, len, prot, flags, fd, off) };
+    check(ret)
+}
+
+/// `munmap(2)` as a raw system call.
+///
+/// # Safety
+///
+/// Nothing may use the range afterwards.
+pub unsafe fn munmap(addr: usize, len: usize) -> io::Result<()> {
+    // SAFETY: forwarded contract of this function.
+    check(unsafe { libc::syscall(libc::SYS_munmap, addr, len) }).map(drop)
+}
+
+/// `madvise(2)` as a raw system call.
+///
+/// # Safety
+///
+/// Advice that discards memory (`MADV_DONTNEED`) destroys the range's contents.
+pub unsafe fn madvise(addr: usize, len: usize, advice: i32) -> io::Result<()> {
+    // SAFETY: forwarded contract of this function.
+    check(unsafe { libc::syscall(libc::SYS_madvise, addr, len, advice) }).map(drop)
+}
+
+/// `mremap(2)` as a raw system call.
+///
+/// # Safety
+///
+/// As `mremap`: the old range is invalid afterwards when the mapping moves.
+pub unsafe fn mremap(
+    old: usize,
+    old_len: usize,
+    new_len: usize,
+    flags: i32,
+    new_addr: usize,
+) -> io::Result<usize> {
+    // SAFETY: forwarded contract of this function.
+    check(unsafe { libc::syscall(libc::SYS_mremap, old, old_len, new_len, flags, new_addr) })
+}
+
+/// `mprotect(2)` as a raw system call.
+///
+/// # Safety
+///
+/// Removing access from memory in use makes later accesses fault.
+pub unsafe fn mprotect(addr: usize, len: usize, prot: i32) -> io::Result<()> {
+    // SAFETY: forwarded contract of this function.
+    check(unsafe { libc::syscall(libc::SYS_mprotect, addr, len, prot) }).map(drop)
+}
+
+/// Reads `len` bytes at `off` of `fd` into `buf`, retrying on EINTR and short reads.
+///
+/// # Safety
+///
+/// `buf..buf+len` must be writable memory that nothing else uses meanwhile.
+pub unsafe fn pread_full(fd: i32, buf: *mut u8, len: usize, off: u64) -> io::Result<()> {
+    let mut done = 0;
+    while done < len {
+        // SAFETY: the caller guarantees the buffer; we stay inside it.
+        let ret = unsafe {
+            libc::syscall(
+                libc::SYS_pread64,
+                fd,
+                buf.add(done),
+                len - done,
+                (off + done as u64) as i64,
+            )
+        };
+        match check(ret) {
+            Ok(0) => return Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Writes all of `iov` at `off` of `fd` (one `pwritev` per attempt, retried on short writes).
+///
+/// # Safety
+///
+/// Every iovec must describe readable memory.
+pub unsafe fn pwritev_full(fd: i32, iov: &mut [libc::iovec], mut off: u64) -> io::Result<()> {
+    let mut first = 0;
+    while first < iov.len() {
+        let batch = &mut iov[first..];
+        let cnt = batch.len().min(libc::UIO_MAXIOV as usize);
+        // SAFETY: the caller guarantees the iovecs point at readable memory.
+        let ret = unsafe {
+            libc::syscall(
+                libc::SYS_pwritev,
+                fd,
+                batch.as_ptr(),
+                cnt,
+                off as libc::c_long,
+                (off >> 32 >> 32) as libc::c_long,
+            )
+        };
+        let mut n = match check(ret) {
+            Ok(0) => return Err(io::Error::from(io::ErrorKind::WriteZero)),
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        off += n as u64;
+        while n > 0 {
+            let v = &mut iov[first];
+            if n >= v.iov_len {
+                n -= v.iov_len;
+                first += 1;
+            } else {
+                v.iov_base = (v.iov_base as usize + n) as *mut libc::c_void;
+                v.iov_len -= n;
+                n = 0;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Blocks while `*word == expected`, at most `timeout_ns` (0: no limit). Spurious returns happen;
+/// callers re-check their condition.
+pub fn futex_wait(word: &AtomicU32, expected: u32, timeout_ns: u64) {
+    let ts = libc::timespec {
+        tv_sec: (timeout_ns / 1_000_000_000) as libc::time_t,
+        tv_nsec: (timeout_ns % 1_000_000_000) as libc::c_long,
+    };
+    let tsp = if timeout_ns == 0 {
+        std::ptr::null()
+    } else {
+        &ts as *const libc::timespec
+    };
+    // SAFETY: `word` is a valid, aligned u32 for the duration of the call; FUTEX_WAIT only reads it.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG,
+            expected,
+            tsp,
+        );
+    }
+}
+
+/// Wakes every thread blocked in [`futex_wait`] on `word`.
+pub fn futex_wake(word: &AtomicU32) {
+    // SAFETY: `word` is a valid, aligned u32; FUTEX_WAKE does not access it.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG,
+            i32::MAX,
+        );
+    }
+}
+
+fn clock_ns(clock: libc::clockid_t) -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid out-pointer; clock_gettime is async-signal-safe.
+    unsafe { libc::clock_gettime(clock, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Monotonic time in nanoseconds.
+pub fn now_ns() -> u64 {
+    clock_ns(libc::CLOCK_MONOTONIC)
+}
+
+/// CPU time of the calling thread in nanoseconds.
+pub fn thread_cpu_ns() -> u64 {
+    clock_ns(libc::CLOCK_THREAD_CPUTIME_ID)
+}
+
+/// Blocks every signal that can be blocked in the calling thread and returns the previous mask.
+/// Used around sections that hold a page busy in normal context, so that a program's own signal
+/// handler cannot touch that page on the same thread and wait for itself.
+pub fn block_signals() -> libc::sigset_t {
+    // SAFETY: sigset_t is plain data; sigfillset initializes it fully.
+    let mut all: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let mut old: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: valid pointers to sigset_t values.
+    unsafe {
+        libc::sigfillset(&mut all);
+        libc::sigdelset(&mut all, libc::SIGBUS);
+        libc::sigdelset(&mut all, libc::SIGSEGV);
+        libc::syscall(
+            libc::SYS_rt_sigprocmask,
+            libc::SIG_BLOCK,
+            &all as *const libc::sigset_t,
+            &mut old as *mut libc::sigset_t,
+            8usize,
+        );
+    }
+    old
+}
+
+/// Restores a mask returned by [`block_signals`].
+pub fn restore_signals(old: &libc::sigset_t) {
+    // SAFETY: `old` is a valid sigset_t.
+    unsafe {
+        libc::syscall(
+            libc::SYS_rt_sigprocmask,
+            libc::SIG_SETMASK,
+            old as *const libc::sigset_t,
+            std::ptr::null_mut::<libc::sigset_t>(),
+            8usize,
+        );
+    }
+}
+
+/// An anonymous private mapping owned by the engine, unmapped on drop.
+pub struct Mapping {
+    addr: usize,
+    len: usize,
+}
+
+impl Mapping {
+    /// Maps `len` bytes (rounded up to pages) of zeroed, read-write, never-reserved memory.
+    pub fn anon(len: usize) -> io::Result<Mapping> {
+        let len = round_up(len.max(1), PAGE_SIZE);
+        // SAFETY: a fresh mapping at a kernel-chosen address cannot clobber anything.
+        let addr = unsafe {
+            mmap(
+                0,
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )?
+        };
+        Ok(Mapping { addr, len })
+    }
+
+    pub fn addr(&self) -> usize {
+        self.addr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Views the mapping as a slice of `T` (zero bytes must be a valid `T`, as for atomics).
+    pub fn as_slice<T>(&self) -> &[T] {
+        // SAFETY: the mapping is readable and writable, page aligned, zero-initialized, and lives
+        // as long as `self`; callers use types whose all-zero bit pattern is valid (atomics).
+        unsafe {
+            std::slice::from_raw_parts(self.addr as *const T, self.len / std::mem::size_of::<T>())
+        }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the mapping is owned by self and nothing refers to it after drop.
+        let _ = unsafe { munmap(self.addr, self.len) };
+    }
+}
+
+/// Rounds `x` up to a multiple of `to` (a power of two).
+pub fn round_up(x: usize, to: usize) -> usize {
+    (x + to - 1) & !(to - 1)
+}
+
+/// Whether the 4 KiB page at `addr` is all zero bytes.
+///
+/// # Safety
+///
+/// `addr` must point at a readable, page-aligned page.
+pub unsafe fn page_is_zero(addr: usize) -> bool {
+    // SAFETY: the caller guarantees a readable, aligned page.
+    let words = unsafe { std::slice::from_raw_parts(addr as *const u64, PAGE_SIZE / 8) };
+    words.iter().all(|&w| w == 0)
+}

@@ -1,0 +1,272 @@
+//! Minimal userfaultfd bindings: open, API handshake, register, COPY, ZEROPAGE, MOVE.
+//!
+//! Own bindings rather than the `userfaultfd` crate: that crate needs libclang at build time and
+//! has no `UFFDIO_MOVE`, which is the engine's atomic unmap-for-eviction primitive. Struct sizes
+//! are asserted at compile time against the kernel ABI (include/uapi/linux/userfaultfd.h).
+//! Entry point: [`Uffd::open`].
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+const UFFD_API: u64 = 0xAA;
+const UFFDIO: u64 = 0xAA;
+
+pub const FEATURE_SIGBUS: u64 = 1 << 7;
+pub const FEATURE_MOVE: u64 = 1 << 16;
+
+const REGISTER_MODE_MISSING: u64 = 1;
+const MOVE_MODE_DONTWAKE: u64 = 1;
+
+#[repr(C)]
+#[derive(Default)]
+struct UffdioApi {
+    api: u64,
+    features: u64,
+    ioctls: u64,
+}
+
+#[repr(C)]
+#[derive(Default)]
+struct UffdioRange {
+    start: u64,
+    len: u64,
+}
+
+#[repr(C)]
+#[derive(Default)]
+struct UffdioRegister {
+    range: UffdioRange,
+    mode: u64,
+    ioctls: u64,
+}
+
+#[repr(C)]
+#[derive(Default)]
+struct UffdioCopy {
+    dst: u64,
+    src: u64,
+    len: u64,
+    mode: u64,
+    copy: i64,
+}
+
+#[repr(C)]
+#[derive(Default)]
+struct UffdioMove {
+    dst: u64,
+    src: u64,
+    len: u64,
+    mode: u64,
+    moved: i64,
+}
+
+const _: () = assert!(std::mem::size_of::<UffdioApi>() == 24);
+const _: () = assert!(std::mem::size_of::<UffdioRange>() == 16);
+const _: () = assert!(std::mem::size_of::<UffdioRegister>() == 32);
+const _: () = assert!(std::mem::size_of::<UffdioCopy>() == 40);
+const _: () = assert!(std::mem::size_of::<UffdioMove>() == 40);
+
+const fn iowr(nr: u64, size: usize) -> u64 {
+    (3 << 30) | ((size as u64) << 16) | (UFFDIO << 8) | nr
+}
+
+const fn ior(nr: u64, size: usize) -> u64 {
+    (2 << 30) | ((size as u64) << 16) | (UFFDIO << 8) | nr
+}
+
+const UFFDIO_API: u64 = iowr(0x3F, std::mem::size_of::<UffdioApi>());
+const UFFDIO_REGISTER: u64 = iowr(0x00, std::mem::size_of::<UffdioRegister>());
+const UFFDIO_UNREGISTER: u64 = ior(0x01, std::mem::size_of::<UffdioRange>());
+const UFFDIO_COPY: u64 = iowr(0x03, std::mem::size_of::<UffdioCopy>());
+const UFFDIO_MOVE: u64 = iowr(0x05, std::mem::size_of::<UffdioMove>());
+/// `_IO(0xAA, 0)` on /dev/userfaultfd.
+const USERFAULTFD_IOC_NEW: u64 = (UFFDIO << 8) as u64;
+
+/// Why a userfaultfd could not be opened: the cases a user can act on are told apart.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error(
+        "no permission to use userfaultfd: run as root, or set `sysctl vm.unprivileged_userfaultfd=1`, or grant read-write access to /dev/userfaultfd"
+    )]
+    Permission,
+    #[error("this kernel has no userfaultfd")]
+    Unsupported,
+    #[error("userfaultfd lacks features memtide needs (SIGBUS delivery and UFFDIO_MOVE, Linux 6.8 or later)")]
+    MissingFeatures,
+    #[error("userfaultfd failed: {0}")]
+    Other(io::Error),
+}
+
+/// An open, initialized userfaultfd.
+pub struct Uffd {
+    fd: OwnedFd,
+}
+
+/// Outcome of a COPY or MOVE that may have done only part of the range.
+#[derive(Debug)]
+pub struct Partial {
+    /// Bytes done before the error.
+    pub done: usize,
+    pub error: io::Error,
+}
+
+impl Uffd {
+    /// Opens a userfaultfd with the SIGBUS and MOVE features: faults in registered ranges raise
+    /// SIGBUS in the faulting thread, which resolves them itself.
+    pub fn open() -> Result<Uffd, OpenError> {
+        let fd = Self::open_fd()?;
+        let mut api = UffdioApi {
+            api: UFFD_API,
+            features: FEATURE_SIGBUS | FEATURE_MOVE,
+            ioctls: 0,
+        };
+        // SAFETY: UFFDIO_API reads and writes a UffdioApi, which `api` is.
+        let ret = unsafe { libc::ioctl(fd.as_raw_fd(), UFFDIO_API as _, &mut api) };
+        if ret < 0 {
+            let e = io::Error::last_os_error();
+            return Err(if e.raw_os_error() == Some(libc::EINVAL) {
+                OpenError::MissingFeatures
+            } else {
+                OpenError::Other(e)
+            });
+        }
+        if api.features & (FEATURE_SIGBUS | FEATURE_MOVE) != (FEATURE_SIGBUS | FEATURE_MOVE) {
+            return Err(OpenError::MissingFeatures);
+        }
+        Ok(Uffd { fd })
+    }
+
+    fn open_fd() -> Result<OwnedFd, OpenError> {
+        let flags = libc::O_CLOEXEC | libc::O_NONBLOCK;
+        // SAFETY: plain system call; returns a new fd or -1.
+        let ret = unsafe { libc::syscall(libc::SYS_userfaultfd, flags) };
+        if ret >= 0 {
+            // SAFETY: the kernel just gave us this fd.
+            return Ok(unsafe { OwnedFd::from_raw_fd(ret as i32) });
+        }
+        let first = io::Error::last_os_error();
+        if first.raw_os_error() == Some(libc::ENOSYS) {
+            return Err(OpenError::Unsupported);
+        }
+        // The syscall is refused to unprivileged users unless the sysctl allows it; access to
+        // /dev/userfaultfd is the other way in.
+        // SAFETY: NUL-terminated path; returns a new fd or -1.
+        let dev =
+            unsafe { libc::open(c"/dev/userfaultfd".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+        if dev < 0 {
+            return Err(if first.raw_os_error() == Some(libc::EPERM) {
+                OpenError::Permission
+            } else {
+                OpenError::Other(first)
+            });
+        }
+        // SAFETY: `dev` was just opened by us.
+        let dev = unsafe { OwnedFd::from_raw_fd(dev) };
+        // SAFETY: USERFAULTFD_IOC_NEW takes the flags as its argument.
+        let ret = unsafe { libc::ioctl(dev.as_raw_fd(), USERFAULTFD_IOC_NEW as _, flags) };
+        if ret < 0 {
+            return Err(OpenError::Other(io::Error::last_os_error()));
+        }
+        // SAFETY: the ioctl returned a new fd.
+        Ok(unsafe { OwnedFd::from_raw_fd(ret) })
+    }
+
+    /// Registers `[start, start+len)` for missing-page faults.
+    pub fn register(&self, start: usize, len: usize) -> io::Result<()> {
+        let mut reg = UffdioRegister {
+            range: UffdioRange {
+                start: start as u64,
+                len: len as u64,
+            },
+            mode: REGISTER_MODE_MISSING,
+            ioctls: 0,
+        };
+        // SAFETY: UFFDIO_REGISTER reads and writes a UffdioRegister.
+        let ret = unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_REGISTER as _, &mut reg) };
+        if ret < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Unregisters a range (used before handing memory back to the program untiered).
+    pub fn unregister(&self, start: usize, len: usize) -> io::Result<()> {
+        let mut range = UffdioRange {
+            start: start as u64,
+            len: len as u64,
+        };
+        // SAFETY: UFFDIO_UNREGISTER reads a UffdioRange.
+        let ret = unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_UNREGISTER as _, &mut range) };
+        if ret < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Atomically fills `[dst, dst+len)` (missing pages) with a copy of `src`.
+    ///
+    /// # Safety
+    ///
+    /// `src..src+len` must be readable; `dst` must lie in a registered range whose pages the
+    /// caller owns (no other thread fills them concurrently).
+    pub unsafe fn copy(&self, dst: usize, src: usize, len: usize) -> Result<(), Partial> {
+        let mut done = 0;
+        while done < len {
+            let mut c = UffdioCopy {
+                dst: (dst + done) as u64,
+                src: (src + done) as u64,
+                len: (len - done) as u64,
+                mode: 0,
+                copy: 0,
+            };
+            // SAFETY: UFFDIO_COPY reads and writes a UffdioCopy; the ranges are the caller's.
+            let ret = unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_COPY as _, &mut c) };
+            if c.copy > 0 {
+                done += c.copy as usize;
+            }
+            if ret < 0 {
+                let error = io::Error::last_os_error();
+                if error.raw_os_error() == Some(libc::EAGAIN) {
+                    continue;
+                }
+                return Err(Partial { done, error });
+            }
+        }
+        Ok(())
+    }
+
+    /// Atomically moves the pages of `[src, src+len)` to `[dst, dst+len)`: the source becomes
+    /// missing (the next access there faults) and the destination maps the same physical pages.
+    /// This is the engine's unmap: no write to the source can be lost, because after the move
+    /// no thread can reach the old mapping.
+    ///
+    /// # Safety
+    ///
+    /// Both ranges must lie in ranges registered with this userfaultfd and belong to the caller;
+    /// `dst` must be missing.
+    pub unsafe fn move_pages(&self, dst: usize, src: usize, len: usize) -> Result<(), Partial> {
+        let mut done = 0;
+        while done < len {
+            let mut m = UffdioMove {
+                dst: (dst + done) as u64,
+                src: (src + done) as u64,
+                len: (len - done) as u64,
+                mode: MOVE_MODE_DONTWAKE,
+                moved: 0,
+            };
+            // SAFETY: UFFDIO_MOVE reads and writes a UffdioMove; the ranges are the caller's.
+            let ret = unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_MOVE as _, &mut m) };
+            if m.moved > 0 {
+                done += m.moved as usize;
+            }
+            if ret < 0 {
+                let error = io::Error::last_os_error();
+                if error.raw_os_error() == Some(libc::EAGAIN) {
+                    continue;
+                }
+                return Err(Partial { done, error });
+            }
+        }
+        Ok(())
+    }
+}
