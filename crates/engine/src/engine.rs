@@ -188,7 +188,9 @@ pub struct Engine {
     tier_failed: AtomicBool,
     /// Set after `fork` fallback: memory is all in DRAM and no longer registered.
     detached: AtomicBool,
-    /// Set by the evictor once it has seen `detached` and stopped.
+    /// Asks the evictor to stop (for `fork` and for audits).
+    pause: AtomicBool,
+    /// Set by the evictor once it has seen `pause` and stopped.
     parked: AtomicBool,
     last_tier_fault: AtomicUsize,
     pub counters: Counters,
@@ -244,6 +246,7 @@ impl Engine {
             overcommit: AtomicBool::new(false),
             tier_failed: AtomicBool::new(false),
             detached: AtomicBool::new(false),
+            pause: AtomicBool::new(false),
             parked: AtomicBool::new(false),
             last_tier_fault: AtomicUsize::new(usize::MAX - 1),
             counters: Counters::default(),
@@ -402,25 +405,36 @@ impl Engine {
         }
     }
 
-    /// First touch: maps zeros over the untouched pages of the 64 KiB chunk around `p`.
+    /// First touch: maps zeros at `p` and, when the touches look sequential (the page before
+    /// is mapped, or `p` starts an allocation), at the untouched pages after it, up to 64 KiB
+    /// in one call; likewise backwards. Random first touches fill one page, so they do not
+    /// spend the quota on neighbours nobody asked for.
     fn fill_zero(&self, p: usize) -> bool {
-        self.reserve(ZERO_CHUNK as u64);
+        let pages = self.pt.pages();
+        let forward =
+            p == 0 || self.pt.load(p - 1).state() == State::Mapped || self.pt.block_len(p) != 0;
+        let backward = p + 1 < pages && self.pt.load(p + 1).state() == State::Mapped;
+        let want = if forward || backward { ZERO_CHUNK } else { 1 };
+        self.reserve(want as u64);
         if self.pt.claim(p, State::Unpopulated, false).is_none() {
-            self.unreserve(ZERO_CHUNK as u64);
+            self.unreserve(want as u64);
             return false;
         }
-        let chunk = p - p % ZERO_CHUNK;
-        let end = (chunk + ZERO_CHUNK).min(self.pt.pages());
         let mut hi = p + 1;
-        while hi < end && self.pt.claim(hi, State::Unpopulated, false).is_some() {
-            hi += 1;
-        }
         let mut lo = p;
-        while lo > chunk && self.pt.claim(lo - 1, State::Unpopulated, false).is_some() {
-            lo -= 1;
+        if forward {
+            let end = (p + ZERO_CHUNK).min(pages);
+            while hi < end && self.pt.claim(hi, State::Unpopulated, false).is_some() {
+                hi += 1;
+            }
+        } else if backward {
+            let start = p.saturating_sub(ZERO_CHUNK - 1);
+            while lo > start && self.pt.claim(lo - 1, State::Unpopulated, false).is_some() {
+                lo -= 1;
+            }
         }
         let n = hi - lo;
-        self.unreserve((ZERO_CHUNK - n) as u64);
+        self.unreserve((want - n) as u64);
         // SAFETY: the zero buffer is readable; pages lo..hi are ours (Busy) and missing.
         let res = unsafe {
             self.uffd
@@ -840,11 +854,14 @@ impl Engine {
                 self.pt.set_slot(i, None);
             }
             if st == State::Staged {
+                // Order matters to the evictor reading the ring concurrently: the new page
+                // names its slot before the ring names the new page, and the old page forgets
+                // its slot only after that (see write_back).
                 let s = self.pt.stage(i);
                 self.pt.set_stage(j, s);
-                self.pt.set_stage(i, NONE);
                 self.ring_entry(s as u64)
                     .store(j as u32 + 1, Ordering::Release);
+                self.pt.set_stage(i, NONE);
             }
             self.pt.publish(j, st, Some(h));
             self.pt.publish(i, State::Unpopulated, Some(Activeness(0)));
@@ -906,11 +923,7 @@ impl Engine {
             return;
         }
         // Stop the evictor first: nothing may leave DRAM once we start bringing pages back.
-        while !self.parked.load(Ordering::Acquire) {
-            self.kick.fetch_add(1, Ordering::AcqRel);
-            sys::futex_wake(&self.kick);
-            std::thread::sleep(std::time::Duration::from_micros(200));
-        }
+        self.pause_evictor();
         let mask = sys::block_signals();
         let hw = self.high_water.load(Ordering::Acquire);
         for i in 0..hw {
@@ -926,6 +939,25 @@ impl Engine {
         }
         self.warn("the program forked: its managed memory was brought back into DRAM and is no longer tiered (tiering across fork is not supported yet)".into());
         sys::restore_signals(&mask);
+    }
+
+    /// Stops the evictor and waits until it is idle.
+    pub fn pause_evictor(&self) {
+        self.pause.store(true, Ordering::Release);
+        while !self.parked.load(Ordering::Acquire) {
+            self.kick.fetch_add(1, Ordering::AcqRel);
+            sys::futex_wake(&self.kick);
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+    }
+
+    /// Lets a paused evictor run again (not after a fork fallback).
+    pub fn resume_evictor(&self) {
+        if !self.is_detached() {
+            self.pause.store(false, Ordering::Release);
+            self.kick.fetch_add(1, Ordering::AcqRel);
+            sys::futex_wake(&self.kick);
+        }
     }
 
     pub fn is_detached(&self) -> bool {
@@ -950,12 +982,13 @@ impl Engine {
         let mut victims: Vec<usize> = Vec::with_capacity(Watermarks::MAX_BATCH as usize * 4);
         let mut writing: Vec<(usize, u32)> = Vec::with_capacity(Watermarks::MAX_BATCH as usize);
         loop {
-            if self.detached.load(Ordering::Acquire) {
+            if self.pause.load(Ordering::Acquire) {
                 self.parked.store(true, Ordering::Release);
                 let k = self.kick.load(Ordering::Acquire);
-                sys::futex_wait(&self.kick, k, 1_000_000_000);
+                sys::futex_wait(&self.kick, k, 1_000_000);
                 continue;
             }
+            self.parked.store(false, Ordering::Release);
             let cpu0 = sys::thread_cpu_ns();
             let now = sys::now_ns();
             if clock.tick(now) {
@@ -1013,7 +1046,7 @@ impl Engine {
                 progress += self.deactivate(self.wm.inactive_target - staged, sweep, hand, victims);
             }
             progress += self.write_back(self.wm.batch, writing);
-            if self.tier_failed.load(Ordering::Acquire) || self.detached.load(Ordering::Acquire) {
+            if self.tier_failed.load(Ordering::Acquire) || self.pause.load(Ordering::Acquire) {
                 break;
             }
             if progress == 0 {
@@ -1202,6 +1235,10 @@ impl Engine {
                     // Someone is taking it out of this slot (a fault, a free, a move): wait
                     // for them, then look again at what the slot holds.
                     self.pt.wait(p, w);
+                    continue;
+                }
+                if entry.load(Ordering::Acquire) != e {
+                    // The slot changed hands (a move renamed its page) while we looked.
                     continue;
                 }
                 break;
@@ -1427,9 +1464,17 @@ impl Engine {
         }
     }
 
-    /// Checks the page table's books (for tests): resident pages equal mapped, staged, writing
-    /// and busy pages plus dead ring entries, and every evicted page has a slot.
+    /// Checks the page table's books (for tests, with the program's threads quiet): resident
+    /// pages equal mapped and staged pages plus dead ring entries, every evicted page has a
+    /// slot, every staged page is named by its ring slot. Pauses the evictor while it looks.
     pub fn audit(&self) -> Result<(), String> {
+        self.pause_evictor();
+        let r = self.audit_paused();
+        self.resume_evictor();
+        r
+    }
+
+    fn audit_paused(&self) -> Result<(), String> {
         let hw = self.high_water.load(Ordering::Acquire);
         let mut mapped = 0u64;
         let mut staged = 0u64;
@@ -1437,7 +1482,15 @@ impl Engine {
             let w = self.pt.load(i);
             match w.state() {
                 State::Mapped => mapped += 1,
-                State::Staged | State::Writing => staged += 1,
+                State::Staged | State::Writing => {
+                    staged += 1;
+                    let s = self.pt.stage(i);
+                    if self.ring_entry(s as u64).load(Ordering::Acquire) != i as u32 + 1 {
+                        return Err(format!(
+                            "page {i} is staged at slot {s}, which does not name it"
+                        ));
+                    }
+                }
                 State::Evicted if self.pt.slot(i).is_none() => {
                     return Err(format!("page {i} is evicted without a tier slot"))
                 }
@@ -1448,6 +1501,12 @@ impl Engine {
         let dead = (self.ring_tail.load(Ordering::Acquire)..self.ring_head.load(Ordering::Acquire))
             .filter(|&pos| self.ring_entry(pos).load(Ordering::Acquire) == RING_DEAD)
             .count() as u64;
+        let counted = self.staged.load(Ordering::Acquire);
+        if counted != staged + dead {
+            return Err(format!(
+                "staged counter {counted} != staged {staged} + dead {dead}"
+            ));
+        }
         let resident = self.resident.load(Ordering::Acquire);
         if resident != mapped + staged + dead {
             return Err(format!(

@@ -1,0 +1,393 @@
+//! Stress test of the engine — not a benchmark.
+//!
+//! Models a program whose threads randomly read and write pages of a footprint 8x the DRAM
+//! quota while the engine evicts and fetches underneath them, and which also discards ranges
+//! (`madvise(DONTNEED)`), frees and reallocates blocks (`munmap` + `mmap`), grows and shrinks
+//! them (`mremap`, moving or in place), moves data through the kernel (`write(2)` from managed
+//! memory into a pipe, `read(2)` back into managed memory), and finally forks. Every page's
+//! whole content is derived from a version kept in a shadow table, so any lost or corrupted
+//! write, or a page that reads back stale or non-zero after a discard, is a mismatch. The test
+//! fails on any mismatch.
+//!
+//! Runs about 40 s by default; set `MEMTIDE_STRESS_SECS` for longer runs.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::RwLock;
+use std::time::{Duration, Instant};
+
+use memtide_engine::{Config, Engine};
+
+const PAGE: usize = 4096;
+const QUOTA: u64 = 16 << 20;
+const BLOCKS: usize = 32;
+/// Pages per block at its normal size; blocks may grow to twice this.
+const BLOCK_PAGES: usize = 1024; // 4 MiB; 32 blocks = 128 MiB = 8x the quota
+const LOCKED: u32 = 1 << 31;
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+fn word(gen: u64, page: usize, version: u32, k: usize) -> u64 {
+    if version == 0 {
+        return 0;
+    }
+    let mut x = gen
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .wrapping_add((page as u64) << 32 | version as u64)
+        .wrapping_add((k as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9));
+    x ^= x >> 31;
+    x = x.wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 29)
+}
+
+struct Layout {
+    addr: usize,
+    pages: usize,
+    gen: u64,
+}
+
+struct Block {
+    layout: RwLock<Layout>,
+    versions: Vec<AtomicU32>,
+}
+
+struct World {
+    engine: &'static Engine,
+    blocks: Vec<Block>,
+    mismatches: AtomicU64,
+    ops: AtomicU64,
+    stop: AtomicBool,
+}
+
+impl World {
+    fn page_ptr(l: &Layout, p: usize) -> *mut u64 {
+        (l.addr + p * PAGE) as *mut u64
+    }
+
+    fn fill(l: &Layout, p: usize, version: u32) {
+        let ptr = Self::page_ptr(l, p);
+        for k in 0..PAGE / 8 {
+            // SAFETY: page p of a live block in managed memory, locked by this thread.
+            unsafe { ptr.add(k).write_volatile(word(l.gen, p, version, k)) };
+        }
+    }
+
+    fn check(&self, l: &Layout, p: usize, version: u32, what: &str) -> bool {
+        let ptr = Self::page_ptr(l, p);
+        for k in 0..PAGE / 8 {
+            // SAFETY: as in fill.
+            let got = unsafe { ptr.add(k).read_volatile() };
+            let want = word(l.gen, p, version, k);
+            if got != want {
+                if self.mismatches.fetch_add(1, Ordering::Relaxed) < 10 {
+                    eprintln!(
+                        "MISMATCH ({what}) gen {} page {p} version {version} word {k}: got {got:#x} want {want:#x}",
+                        l.gen
+                    );
+                }
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Locks page `p` of block `b` (spinning on its version word) and returns its version.
+    fn lock(&self, b: usize, p: usize) -> u32 {
+        let v = &self.blocks[b].versions[p];
+        loop {
+            let cur = v.load(Ordering::Acquire);
+            if cur & LOCKED == 0
+                && v.compare_exchange(cur, cur | LOCKED, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+            {
+                return cur;
+            }
+            std::thread::yield_now();
+        }
+    }
+
+    fn unlock(&self, b: usize, p: usize, version: u32) {
+        self.blocks[b].versions[p].store(version, Ordering::Release);
+    }
+
+    fn worker(&self, seed: u64) {
+        let mut rng = Rng(seed | 1);
+        let mut next_version = 1u32 + (seed as u32 % 1000) * 1_000_000;
+        while !self.stop.load(Ordering::Relaxed) {
+            let b = rng.below(BLOCKS);
+            let op = rng.below(1000);
+            self.ops.fetch_add(1, Ordering::Relaxed);
+            if op < 980 {
+                // Skewed page choice: a quarter of the pages get most of the accesses.
+                let l = self.blocks[b].layout.read().unwrap();
+                let p = if rng.below(10) < 8 {
+                    rng.below(l.pages / 4)
+                } else {
+                    rng.below(l.pages)
+                };
+                let v = self.lock(b, p);
+                if op < 600 {
+                    self.check(&l, p, v, "read");
+                    self.unlock(b, p, v);
+                } else {
+                    next_version += 1;
+                    Self::fill(&l, p, next_version);
+                    self.unlock(b, p, next_version);
+                }
+            } else if op < 990 {
+                // madvise(DONTNEED) of a few pages: they must read back as zeros.
+                let l = self.blocks[b].layout.read().unwrap();
+                let first = rng.below(l.pages);
+                let n = (1 + rng.below(32)).min(l.pages - first);
+                for p in first..first + n {
+                    self.lock(b, p);
+                }
+                self.engine
+                    .discard(l.addr + first * PAGE, n * PAGE)
+                    .unwrap();
+                for p in first..first + n {
+                    self.check(&l, p, 0, "after discard");
+                    self.unlock(b, p, 0);
+                }
+            } else if op < 994 {
+                // munmap the block and map a fresh one.
+                let mut l = self.blocks[b].layout.write().unwrap();
+                self.engine.release(l.addr, l.pages * PAGE).unwrap();
+                l.pages = BLOCK_PAGES;
+                l.addr = self.engine.alloc(l.pages * PAGE, PAGE).unwrap();
+                l.gen += 1000;
+                for v in &self.blocks[b].versions {
+                    v.store(0, Ordering::Release);
+                }
+            } else if op < 997 {
+                // mremap: grow (moving if needed) or shrink back; contents must follow.
+                let mut l = self.blocks[b].layout.write().unwrap();
+                let new_pages = if l.pages == BLOCK_PAGES {
+                    BLOCK_PAGES + 1 + rng.below(BLOCK_PAGES - 1)
+                } else {
+                    BLOCK_PAGES
+                };
+                let to = self
+                    .engine
+                    .remap(l.addr, l.pages * PAGE, new_pages * PAGE, true)
+                    .unwrap();
+                for p in l.pages.min(new_pages)..l.pages.max(new_pages) {
+                    self.blocks[b].versions[p].store(0, Ordering::Release);
+                }
+                let moved_from = l.addr;
+                l.addr = to;
+                l.pages = new_pages;
+                // Spot-check a few pages right after the move.
+                for _ in 0..8 {
+                    let p = rng.below(l.pages);
+                    let v = self.blocks[b].versions[p].load(Ordering::Acquire);
+                    self.check(
+                        &l,
+                        p,
+                        v,
+                        if to == moved_from {
+                            "mremap in place"
+                        } else {
+                            "mremap moved"
+                        },
+                    );
+                }
+            } else {
+                // The kernel reads and writes managed memory: write(2) one page into a pipe
+                // and read(2) it back into another page.
+                let l = self.blocks[b].layout.read().unwrap();
+                let src = rng.below(l.pages);
+                let mut dst = rng.below(l.pages);
+                if dst == src {
+                    dst = (src + 1) % l.pages;
+                }
+                let (a, c) = if src < dst { (src, dst) } else { (dst, src) };
+                let va = self.lock(b, a);
+                let vc = self.lock(b, c);
+                let (vs, _vd) = if src < dst { (va, vc) } else { (vc, va) };
+                let mut fds = [0; 2];
+                // SAFETY: valid out-array of two fds.
+                assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+                let sp = Self::page_ptr(&l, src) as usize;
+                let dp = Self::page_ptr(&l, dst) as usize;
+                {
+                    let _pin = self.engine.pin(sp, PAGE);
+                    // SAFETY: sp is a pinned, mapped page of ours.
+                    let n = unsafe { libc::write(fds[1], sp as *const libc::c_void, PAGE) };
+                    assert_eq!(n, PAGE as isize, "write(2) from managed memory");
+                }
+                {
+                    let _pin = self.engine.pin(dp, PAGE);
+                    // SAFETY: dp is a pinned, mapped page of ours, locked by this thread.
+                    let n = unsafe { libc::read(fds[0], dp as *mut libc::c_void, PAGE) };
+                    assert_eq!(n, PAGE as isize, "read(2) into managed memory");
+                }
+                // SAFETY: closing our own fds.
+                unsafe {
+                    libc::close(fds[0]);
+                    libc::close(fds[1]);
+                }
+                // dst now holds src's bytes: same pattern except the page index in the words,
+                // so check it word by word against src's version at src's index.
+                let ptr = dp as *const u64;
+                for k in 0..PAGE / 8 {
+                    // SAFETY: dst is ours and locked.
+                    let got = unsafe { ptr.add(k).read_volatile() };
+                    if got != word(l.gen, src, vs, k) {
+                        self.mismatches.fetch_add(1, Ordering::Relaxed);
+                        eprintln!("MISMATCH (pipe copy) page {dst} word {k}");
+                        break;
+                    }
+                }
+                // Restore dst to a well-defined version of its own.
+                next_version += 1;
+                Self::fill(&l, dst, next_version);
+                if src < dst {
+                    self.unlock(b, c, next_version);
+                    self.unlock(b, a, va);
+                } else {
+                    self.unlock(b, a, next_version);
+                    self.unlock(b, c, vc);
+                }
+            }
+        }
+    }
+
+    fn verify_all(&self, what: &str) -> u64 {
+        let before = self.mismatches.load(Ordering::Relaxed);
+        for (b, blk) in self.blocks.iter().enumerate() {
+            let l = blk.layout.read().unwrap();
+            for p in 0..l.pages {
+                let v = blk.versions[p].load(Ordering::Acquire);
+                let _ = b;
+                self.check(&l, p, v, what);
+            }
+        }
+        self.mismatches.load(Ordering::Relaxed) - before
+    }
+}
+
+#[test]
+fn stress_eviction_racing_with_access() {
+    let secs: u64 = std::env::var("MEMTIDE_STRESS_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(40);
+    let dir = std::env::temp_dir().join(format!("memtide-stress-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut cfg = Config::new(QUOTA, &dir);
+    cfg.arena_bytes = 8 << 30;
+    cfg.epoch_ms = 50;
+    let engine = Engine::start(&cfg).expect("engine starts (needs userfaultfd: run as root)");
+    let blocks = (0..BLOCKS)
+        .map(|b| Block {
+            layout: RwLock::new(Layout {
+                addr: engine.alloc(BLOCK_PAGES * PAGE, PAGE).unwrap(),
+                pages: BLOCK_PAGES,
+                gen: b as u64,
+            }),
+            versions: (0..2 * BLOCK_PAGES).map(|_| AtomicU32::new(0)).collect(),
+        })
+        .collect();
+    let world = World {
+        engine,
+        blocks,
+        mismatches: AtomicU64::new(0),
+        ops: AtomicU64::new(0),
+        stop: AtomicBool::new(false),
+    };
+    eprintln!("stress test (not a benchmark): {secs} s, 4 threads, footprint 8x the quota");
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let w = &world;
+            s.spawn(move || w.worker(0x1234_5678 + t * 7919));
+        }
+        while start.elapsed() < Duration::from_secs(secs) {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        world.stop.store(true, Ordering::Relaxed);
+    });
+    let final_mismatches = world.verify_all("final sweep");
+    let snap = engine.snapshot();
+    eprintln!(
+        "ops {} mismatches {} | faults zero {} tier {} inactive {} wait {} | demotions {} (clean {}, zero {}) | peak DRAM {} KiB of {} KiB quota",
+        world.ops.load(Ordering::Relaxed),
+        world.mismatches.load(Ordering::Relaxed),
+        snap.faults_zero,
+        snap.faults_tier,
+        snap.faults_inactive,
+        snap.faults_wait,
+        snap.demotions,
+        snap.demotions_clean,
+        snap.demotions_zero,
+        snap.peak_dram_bytes >> 10,
+        snap.quota_bytes >> 10
+    );
+    assert_eq!(
+        world.mismatches.load(Ordering::Relaxed),
+        0,
+        "lost or corrupted bytes"
+    );
+    assert_eq!(final_mismatches, 0);
+    assert!(
+        snap.faults_tier > 1000,
+        "the run must exercise tier-1 fetches: {snap:?}"
+    );
+    assert!(
+        snap.demotions > 1000,
+        "the run must exercise eviction: {snap:?}"
+    );
+    assert!(
+        snap.faults_inactive > 0,
+        "the run must exercise hint faults: {snap:?}"
+    );
+    assert!(
+        snap.peak_dram_bytes <= QUOTA + 2 * (1 << 20),
+        "DRAM stayed within the quota plus slack: {snap:?}"
+    );
+    // Let the evictor settle, then the books must balance.
+    std::thread::sleep(Duration::from_millis(300));
+    engine.audit().expect("page table books balance");
+
+    // Fork: the child sees memory as it was at the fork; neither sees the other's writes.
+    engine.detach_for_fork();
+    let l0 = world.blocks[0].layout.read().unwrap();
+    let v0 = world.blocks[0].versions[0].load(Ordering::Acquire);
+    // SAFETY: the child only reads and writes memory and calls _exit.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        let mut bad = world.verify_all("child after fork");
+        World::fill(&l0, 0, 0xDEAD);
+        if !world.check(&l0, 0, 0xDEAD, "child own write") {
+            bad += 1;
+        }
+        // SAFETY: leaving the child without running the parent's destructors.
+        unsafe { libc::_exit(if bad == 0 { 0 } else { 1 }) };
+    }
+    let mut status = 0;
+    // SAFETY: waiting for our own child.
+    unsafe { libc::waitpid(pid, &mut status, 0) };
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "child saw wrong data"
+    );
+    assert!(
+        world.check(&l0, 0, v0, "parent after child wrote"),
+        "child's write leaked into the parent"
+    );
+    drop(l0);
+    assert_eq!(world.verify_all("parent after fork"), 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
