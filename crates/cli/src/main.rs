@@ -1,1 +1,63 @@
-fn main() {}
+//! The `memtide` binary: parses the command line and calls into the subcommands. Thin by design;
+//! the work is in `run.rs` (start a program with tiered memory), `demo.rs` (the built-in
+//! workload, all-DRAM vs memtide), `bench.rs` (the same against Linux swap), and `workload.rs`
+//! (the workload itself, a hidden subcommand the others start). Entry point: [`main`].
+
+mod bench;
+mod demo;
+mod opts;
+mod preflight;
+mod run;
+mod summary;
+mod workload;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// memtide: run programs with more memory than DRAM. Hot pages stay in DRAM, cold pages move to
+/// a tier-1 file on an SSD/NVMe, without changing the program.
+#[derive(Parser)]
+#[command(name = "memtide", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run a program with its large anonymous memory tiered: at most --dram of it stays in DRAM,
+    /// the rest lives in a tier-1 file.
+    ///
+    /// Example: memtide run --dram 1GiB --tier /var/tmp -- python3 big.py
+    Run(run::RunArgs),
+    /// Show tiering on a built-in workload: the same skewed random reads and writes over a
+    /// footprint several times the DRAM budget, first all in DRAM, then under memtide.
+    Demo(demo::DemoArgs),
+    /// Measure memtide against all-DRAM and against Linux swap with the same DRAM budget, side
+    /// by side, on the built-in workload (needs root for the Linux-swap configurations).
+    Bench(bench::BenchArgs),
+    /// The built-in workload (used by demo and bench).
+    #[command(hide = true)]
+    Workload(workload::WorkloadArgs),
+}
+
+fn main() -> ExitCode {
+    // A closed pipe on stdout is a normal way for a reader to stop.
+    // SAFETY: setting a signal disposition before any threads exist.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    let cli = Cli::parse();
+    let result = match cli.cmd {
+        Cmd::Run(a) => run::run(a),
+        Cmd::Demo(a) => demo::demo(a),
+        Cmd::Bench(a) => bench::bench(a),
+        Cmd::Workload(a) => workload::main(a),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("memtide: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}

@@ -309,6 +309,11 @@ impl Engine {
         self.wm.quota * PAGE_SIZE as u64
     }
 
+    /// Pages of managed memory the program currently has allocated.
+    pub fn managed_pages(&self) -> u64 {
+        self.counters.managed_pages.load(Ordering::Relaxed)
+    }
+
     /// Pages currently holding DRAM.
     pub fn resident_pages(&self) -> u64 {
         self.resident.load(Ordering::Relaxed)

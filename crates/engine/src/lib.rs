@@ -6,6 +6,7 @@ mod arena;
 mod engine;
 mod pages;
 pub mod signal;
+pub mod size;
 pub mod stats;
 pub mod sys;
 pub mod tier;

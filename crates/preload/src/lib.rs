@@ -1,1 +1,247 @@
+//! The LD_PRELOAD library: puts an unmodified program's large anonymous memory under memtide.
+//!
+//! `memtide run` loads it with settings in the environment (`MEMTIDE_DRAM`, `MEMTIDE_TIER`, …).
+//! The engine starts lazily, on the program's first allocation at or above the size threshold,
+//! so short-lived helper processes (a shell, `ls`) pay nothing. The overridden symbols live in
+//! `overrides.rs`; this file holds the start-up, the settings and the stats writer.
+//!
+//! Rust code here allocates through glibc's internal entry points (`__libc_malloc`), never
+//! through the `malloc` symbol this library overrides, so the library never re-enters itself.
 
+mod overrides;
+
+use std::alloc::{GlobalAlloc, Layout};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicPtr, AtomicU8, AtomicUsize, Ordering};
+
+use memtide_engine::{size, Config, Engine};
+
+extern "C" {
+    fn __libc_malloc(size: usize) -> *mut libc::c_void;
+    fn __libc_calloc(n: usize, size: usize) -> *mut libc::c_void;
+    fn __libc_realloc(p: *mut libc::c_void, size: usize) -> *mut libc::c_void;
+    fn __libc_free(p: *mut libc::c_void);
+    fn __libc_memalign(align: usize, size: usize) -> *mut libc::c_void;
+}
+
+/// The Rust side of this library allocates straight from glibc.
+struct LibcAlloc;
+
+// SAFETY: forwards to glibc's allocator, which meets GlobalAlloc's contract for the alignments
+// it is asked for (memalign for anything above malloc's 16 bytes).
+unsafe impl GlobalAlloc for LibcAlloc {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        // SAFETY: plain calls into glibc's allocator.
+        unsafe {
+            if l.align() <= 16 {
+                __libc_malloc(l.size()) as *mut u8
+            } else {
+                __libc_memalign(l.align(), l.size()) as *mut u8
+            }
+        }
+    }
+    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
+        // SAFETY: as above.
+        unsafe {
+            if l.align() <= 16 {
+                __libc_calloc(1, l.size()) as *mut u8
+            } else {
+                let p = __libc_memalign(l.align(), l.size()) as *mut u8;
+                if !p.is_null() {
+                    std::ptr::write_bytes(p, 0, l.size());
+                }
+                p
+            }
+        }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
+        if l.align() <= 16 {
+            // SAFETY: `p` came from __libc_malloc.
+            unsafe { __libc_realloc(p as *mut libc::c_void, new) as *mut u8 }
+        } else {
+            // SAFETY: standard realloc-by-copy for over-aligned blocks.
+            unsafe {
+                let q = self.alloc(Layout::from_size_align_unchecked(new, l.align()));
+                if !q.is_null() {
+                    std::ptr::copy_nonoverlapping(p, q, l.size().min(new));
+                    self.dealloc(p, l);
+                }
+                q
+            }
+        }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, _l: Layout) {
+        // SAFETY: `p` came from this allocator.
+        unsafe { __libc_free(p as *mut libc::c_void) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: LibcAlloc = LibcAlloc;
+
+/// Settings read from the environment at load time.
+struct Settings {
+    dram: u64,
+    tier: PathBuf,
+    tier_size: Option<u64>,
+    arena: u64,
+    stats_dir: Option<PathBuf>,
+    stats_interval_ms: u64,
+}
+
+const OFF: u8 = 0;
+const IDLE: u8 = 1;
+const STARTING: u8 = 2;
+const READY: u8 = 3;
+const FAILED: u8 = 4;
+
+/// OFF: no settings (pass-through). IDLE: settings read, engine not started. STARTING: one
+/// thread is starting it (allocations meanwhile go to glibc). READY / FAILED.
+static STATE: AtomicU8 = AtomicU8::new(OFF);
+static ENGINE: AtomicPtr<Engine> = AtomicPtr::new(std::ptr::null_mut());
+static SETTINGS: AtomicPtr<Settings> = AtomicPtr::new(std::ptr::null_mut());
+/// Allocations at or above this many bytes are managed.
+static THRESHOLD: AtomicUsize = AtomicUsize::new(usize::MAX);
+/// Most bytes of managed memory one system call may pin at once.
+static IO_CHUNK: AtomicUsize = AtomicUsize::new(8 << 20);
+
+/// The engine, if it is running in this process.
+fn engine() -> Option<&'static Engine> {
+    let p = ENGINE.load(Ordering::Acquire);
+    // SAFETY: the engine is leaked ('static) once started.
+    (!p.is_null()).then(|| unsafe { &*p })
+}
+
+/// The engine, starting it on first use; `None` while another thread starts it, when memtide
+/// is off, or when it failed to start.
+fn engine_or_start() -> Option<&'static Engine> {
+    if let Some(e) = engine() {
+        return Some(e);
+    }
+    if STATE
+        .compare_exchange(IDLE, STARTING, Ordering::AcqRel, Ordering::Acquire)
+        .is_err()
+    {
+        return None;
+    }
+    // SAFETY: SETTINGS is set before STATE becomes IDLE and never freed.
+    let s = unsafe { &*SETTINGS.load(Ordering::Acquire) };
+    let mut cfg = Config::new(s.dram, s.tier.clone());
+    cfg.tier_bytes = s.tier_size;
+    cfg.arena_bytes = s.arena;
+    match Engine::start(&cfg) {
+        Ok(e) => {
+            ENGINE.store(e as *const Engine as *mut Engine, Ordering::Release);
+            STATE.store(READY, Ordering::Release);
+            if let Some(dir) = &s.stats_dir {
+                start_stats_thread(e, dir.clone(), s.stats_interval_ms);
+            }
+            Some(e)
+        }
+        Err(err) => {
+            eprintln!("memtide: {err}; running this program without tiering");
+            STATE.store(FAILED, Ordering::Release);
+            None
+        }
+    }
+}
+
+fn env_size(name: &str) -> Option<u64> {
+    let v = std::env::var(name).ok()?;
+    match size::parse(&v) {
+        Ok(n) => Some(n),
+        Err(e) => {
+            eprintln!("memtide: {name}: {e}");
+            None
+        }
+    }
+}
+
+/// Reads the settings; called once from the library's constructor.
+fn load_settings() {
+    let Some(dram) = env_size("MEMTIDE_DRAM") else {
+        return;
+    };
+    let Ok(tier) = std::env::var("MEMTIDE_TIER") else {
+        eprintln!("memtide: MEMTIDE_TIER is not set; running without tiering");
+        return;
+    };
+    let threshold = env_size("MEMTIDE_MIN_BYTES").unwrap_or(128 << 10).max(4096);
+    THRESHOLD.store(threshold as usize, Ordering::Release);
+    IO_CHUNK.store(
+        ((dram / 4).clamp(64 << 10, 8 << 20)) as usize,
+        Ordering::Release,
+    );
+    let settings = Box::new(Settings {
+        dram,
+        tier: PathBuf::from(tier),
+        tier_size: env_size("MEMTIDE_TIER_SIZE"),
+        arena: env_size("MEMTIDE_ARENA").unwrap_or(1 << 40),
+        stats_dir: std::env::var_os("MEMTIDE_STATS_DIR").map(PathBuf::from),
+        stats_interval_ms: std::env::var("MEMTIDE_STATS_INTERVAL_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1000),
+    });
+    SETTINGS.store(Box::into_raw(settings), Ordering::Release);
+    STATE.store(IDLE, Ordering::Release);
+}
+
+fn write_stats(e: &Engine, dir: &std::path::Path) {
+    let snap = e.snapshot();
+    let path = dir.join(format!("memtide-{}.json", snap.pid));
+    let tmp = dir.join(format!(".memtide-{}.json.tmp", snap.pid));
+    if let Ok(json) = serde_json::to_vec_pretty(&snap) {
+        if std::fs::write(&tmp, json).is_ok() {
+            let _ = std::fs::rename(&tmp, &path);
+        }
+    }
+}
+
+fn start_stats_thread(e: &'static Engine, dir: PathBuf, interval_ms: u64) {
+    let _ = std::thread::Builder::new()
+        .name("memtide-stats".into())
+        .spawn(move || loop {
+            std::thread::sleep(std::time::Duration::from_millis(interval_ms.max(50)));
+            if e.in_child() {
+                return;
+            }
+            write_stats(e, &dir);
+        });
+}
+
+extern "C" fn at_exit() {
+    if let Some(e) = engine() {
+        if e.in_child() {
+            return;
+        }
+        // SAFETY: SETTINGS is set whenever the engine runs.
+        let s = unsafe { &*SETTINGS.load(Ordering::Acquire) };
+        if let Some(dir) = &s.stats_dir {
+            write_stats(e, dir);
+        }
+    }
+}
+
+extern "C" fn before_fork() {
+    if let Some(e) = engine() {
+        if !e.in_child() && e.managed_pages() > 0 {
+            e.detach_for_fork();
+        }
+    }
+}
+
+extern "C" fn init() {
+    load_settings();
+    if STATE.load(Ordering::Acquire) == IDLE {
+        // SAFETY: registering plain extern "C" callbacks with the C runtime.
+        unsafe {
+            libc::atexit(at_exit);
+            libc::pthread_atfork(Some(before_fork), None, None);
+        }
+    }
+}
+
+#[used]
+#[link_section = ".init_array"]
+static INIT: extern "C" fn() = init;

@@ -1,0 +1,221 @@
+//! `memtide run`: starts a program with the preload library and its settings, forwards
+//! signals to it, keeps the `--stats` file current, prints the summary when it exits, and
+//! exits with the program's status. Entry point: [`run`].
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, ExitStatus};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::Args;
+
+use crate::{opts, preflight, summary};
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// DRAM the program's managed memory may use (e.g. 512MiB, 4GiB); the rest goes to tier 1.
+    #[arg(long, value_parser = opts::nonzero_size)]
+    pub dram: u64,
+    /// Where tier 1 lives: a directory to create the tier file in, or a file name to create.
+    /// The file is removed when the program exits.
+    #[arg(long, default_value = "/var/tmp")]
+    pub tier: PathBuf,
+    /// Most bytes tier 1 may hold (default: as much as the program's managed memory needs).
+    #[arg(long, value_parser = opts::nonzero_size)]
+    pub tier_size: Option<u64>,
+    /// Allocations at or above this size are managed (malloc family and anonymous mmap).
+    #[arg(long, value_parser = opts::nonzero_size, default_value = "128KiB")]
+    pub min_bytes: u64,
+    /// Write the program's memtide statistics as JSON to this file, every --stats-interval
+    /// and at exit.
+    #[arg(long)]
+    pub stats: Option<PathBuf>,
+    /// How often to refresh --stats (e.g. 1s, 500ms).
+    #[arg(long, value_parser = opts::seconds, default_value = "1s")]
+    pub stats_interval: f64,
+    /// Print no summary at exit.
+    #[arg(long, short)]
+    pub quiet: bool,
+    /// The program and its arguments (after `--`).
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "PROGRAM"
+    )]
+    pub command: Vec<String>,
+}
+
+static CHILD: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn forward(sig: i32) {
+    let pid = CHILD.load(Ordering::Relaxed);
+    if pid > 0 {
+        // SAFETY: kill is async-signal-safe.
+        unsafe { libc::kill(pid, sig) };
+    }
+}
+
+/// The settings the preload library reads, as environment variables.
+pub struct TierEnv<'a> {
+    pub preload: &'a Path,
+    pub dram: u64,
+    pub tier: &'a Path,
+    pub tier_size: Option<u64>,
+    pub min_bytes: u64,
+    pub stats_dir: &'a Path,
+    pub stats_interval_ms: u64,
+}
+
+impl TierEnv<'_> {
+    pub fn apply(&self, cmd: &mut Command) {
+        let mut preload = self.preload.as_os_str().to_owned();
+        if let Some(old) = std::env::var_os("LD_PRELOAD").filter(|v| !v.is_empty()) {
+            preload.push(" ");
+            preload.push(old);
+        }
+        cmd.env("LD_PRELOAD", preload)
+            .env("MEMTIDE_DRAM", self.dram.to_string())
+            .env("MEMTIDE_TIER", self.tier)
+            .env("MEMTIDE_MIN_BYTES", self.min_bytes.to_string())
+            .env("MEMTIDE_STATS_DIR", self.stats_dir)
+            .env(
+                "MEMTIDE_STATS_INTERVAL_MS",
+                self.stats_interval_ms.to_string(),
+            );
+        if let Some(t) = self.tier_size {
+            cmd.env("MEMTIDE_TIER_SIZE", t.to_string());
+        }
+    }
+}
+
+/// A private directory for the stats files of one run, removed on drop.
+pub struct StatsDir(pub PathBuf);
+
+impl StatsDir {
+    pub fn new() -> Result<StatsDir> {
+        let base = std::env::temp_dir();
+        for n in 0..1000 {
+            let p = base.join(format!("memtide-stats-{}-{n}", std::process::id()));
+            if std::fs::create_dir(&p).is_ok() {
+                return Ok(StatsDir(p));
+            }
+        }
+        anyhow::bail!("cannot create a stats directory in {}", base.display())
+    }
+}
+
+impl Drop for StatsDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Exit code a shell would report for this status.
+pub fn exit_code(status: ExitStatus) -> u8 {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(c), _) => c as u8,
+        (None, Some(sig)) => 128u8.wrapping_add(sig as u8),
+        _ => 1,
+    }
+}
+
+pub fn describe(status: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(c), _) => format!("exited with status {c}"),
+        (None, Some(sig)) => format!("was killed by signal {sig}"),
+        _ => "ended".into(),
+    }
+}
+
+fn write_stats_file(
+    path: &Path,
+    program: &str,
+    status: Option<ExitStatus>,
+    c: &summary::Collected,
+) {
+    let json = serde_json::json!({
+        "program": program,
+        "exit_code": status.map(exit_code),
+        "main_pid": c.main().map(|(s, _)| s.pid),
+        "coverage": c.main().map(|(_, p)| summary::coverage(p)),
+        "processes": c.latest.values().collect::<Vec<_>>(),
+    });
+    let tmp = path.with_extension("tmp");
+    if std::fs::write(&tmp, serde_json::to_vec_pretty(&json).unwrap_or_default()).is_ok() {
+        let _ = std::fs::rename(&tmp, path);
+    }
+}
+
+pub fn run(a: RunArgs) -> Result<ExitCode> {
+    let program = &a.command[0];
+    let ready = preflight::check(a.dram, &a.tier, a.tier_size, program)?;
+    if ready.buffered_tier {
+        eprintln!(
+            "memtide: note: {} has no O_DIRECT; tier 1 will use buffered I/O",
+            a.tier.display()
+        );
+    }
+    if let Some(p) = &a.stats {
+        // Fail now, not after the program ran.
+        std::fs::write(p, b"{}\n")
+            .with_context(|| format!("cannot write --stats file {}", p.display()))?;
+    }
+    let stats_dir = StatsDir::new()?;
+    let interval_ms = (a.stats_interval * 1000.0).max(50.0) as u64;
+    let mut cmd = Command::new(program);
+    cmd.args(&a.command[1..]);
+    TierEnv {
+        preload: &ready.preload,
+        dram: a.dram,
+        tier: &a.tier,
+        tier_size: a.tier_size,
+        min_bytes: a.min_bytes,
+        stats_dir: &stats_dir.0,
+        stats_interval_ms: interval_ms,
+    }
+    .apply(&mut cmd);
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("cannot start {program}"))?;
+    CHILD.store(child.id() as i32, Ordering::Relaxed);
+    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT] {
+        // SAFETY: installing an async-signal-safe handler.
+        unsafe { libc::signal(sig, forward as *const () as libc::sighandler_t) };
+    }
+    let done = Arc::new(AtomicBool::new(false));
+    // Poll the stats files while the program runs: for --stats, and so that the summary can
+    // judge coverage at peak rather than after the program freed its memory.
+    let poller = {
+        let done = done.clone();
+        let dir = stats_dir.0.clone();
+        let program = program.clone();
+        let path = a.stats.clone();
+        std::thread::spawn(move || {
+            let mut c = summary::Collected::default();
+            while !done.load(Ordering::Acquire) {
+                std::thread::sleep(Duration::from_millis(interval_ms));
+                c.update(&dir);
+                if let Some(p) = &path {
+                    write_stats_file(p, &program, None, &c);
+                }
+            }
+            c
+        })
+    };
+    let status = child.wait().context("waiting for the program")?;
+    done.store(true, Ordering::Release);
+    let mut c = poller.join().unwrap_or_default();
+    c.update(&stats_dir.0);
+    if let Some(p) = &a.stats {
+        write_stats_file(p, program, Some(status), &c);
+    }
+    if !a.quiet {
+        summary::print(program, &describe(status), &c);
+    }
+    Ok(ExitCode::from(exit_code(status)))
+}

@@ -1,0 +1,293 @@
+//! The built-in workload: random reads and writes over one large anonymous mapping, with a
+//! scattered hot set taking a given share of the accesses. Every page carries its index and a
+//! write counter mirrored in a shadow table, so the run ends by verifying every page. Prints
+//! JSON lines (progress and a final result) for `demo` and `bench`. Entry point: [`main`].
+
+use std::io::Write;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+use clap::Args;
+use serde::{Deserialize, Serialize};
+
+use crate::opts;
+
+const PAGE: usize = 4096;
+const MAGIC: u64 = 0x6D65_6D74_6964_6521;
+/// One access in this many is timed, to estimate the share of slow (faulting) accesses.
+const SAMPLE: u64 = 64;
+/// An access slower than this is counted as slow (a tier-1 or swap fault, not a cache miss).
+const SLOW_NS: u64 = 20_000;
+
+#[derive(Args, Debug, Clone)]
+pub struct WorkloadArgs {
+    /// Bytes of memory the workload touches.
+    #[arg(long, value_parser = opts::nonzero_size, default_value = "1GiB")]
+    pub footprint: u64,
+    /// Fraction of pages in the hot set (scattered over the footprint).
+    #[arg(long, value_parser = opts::fraction, default_value = "10%")]
+    pub hot: f64,
+    /// Fraction of accesses that go to the hot set (the rest are uniform over all pages).
+    #[arg(long, value_parser = opts::fraction, default_value = "90%")]
+    pub hot_share: f64,
+    /// Fraction of accesses that are writes.
+    #[arg(long, value_parser = opts::fraction, default_value = "20%")]
+    pub writes: f64,
+    /// Seconds of random accesses after the fill.
+    #[arg(long, value_parser = opts::seconds, default_value = "10")]
+    pub seconds: f64,
+    /// Seconds of the same random accesses before measuring, so that the result shows the
+    /// steady state rather than the warm-up after the fill.
+    #[arg(long, value_parser = opts::seconds_or_zero, default_value = "0")]
+    pub warmup: f64,
+    /// Threads doing accesses.
+    #[arg(long, default_value_t = 1)]
+    pub threads: usize,
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+}
+
+impl WorkloadArgs {
+    /// The arguments as a command line for `memtide workload`.
+    pub fn to_args(&self) -> Vec<String> {
+        vec![
+            "workload".into(),
+            format!("--footprint={}", self.footprint),
+            format!("--hot={}", self.hot),
+            format!("--hot-share={}", self.hot_share),
+            format!("--writes={}", self.writes),
+            format!("--seconds={}", self.seconds),
+            format!("--warmup={}", self.warmup),
+            format!("--threads={}", self.threads),
+            format!("--seed={}", self.seed),
+        ]
+    }
+}
+
+/// One line of the workload's output.
+#[derive(Serialize, Deserialize, Debug, Clone)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Line {
+    Progress {
+        phase: String,
+        elapsed: f64,
+        done: f64,
+        accesses: u64,
+    },
+    Result(WorkloadResult),
+}
+
+#[derive(Serialize, Deserialize, Debug, Clone, Default)]
+pub struct WorkloadResult {
+    pub footprint: u64,
+    pub fill_seconds: f64,
+    pub run_seconds: f64,
+    pub accesses: u64,
+    pub throughput: f64,
+    pub slow_fraction: f64,
+    pub verified_pages: u64,
+    pub mismatches: u64,
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        // xorshift64*
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+fn emit(line: &Line) {
+    let mut out = std::io::stdout().lock();
+    let _ = serde_json::to_writer(&mut out, line);
+    let _ = out.write_all(b"\n");
+    let _ = out.flush();
+}
+
+pub fn main(a: WorkloadArgs) -> Result<ExitCode> {
+    let pages = (a.footprint as usize / PAGE).max(1);
+    let len = pages * PAGE;
+    if a.threads == 0 {
+        bail!("--threads must be at least 1");
+    }
+    // SAFETY: a fresh private anonymous mapping; under memtide it becomes managed memory.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if base == libc::MAP_FAILED {
+        bail!(
+            "cannot map {} bytes: {}",
+            len,
+            std::io::Error::last_os_error()
+        );
+    }
+    let base = base as usize;
+    let word = |p: usize, k: usize| -> &AtomicU64 {
+        // SAFETY: p < pages and k < 512: inside the mapping, aligned; it lives until exit.
+        unsafe { &*((base + p * PAGE + k * 8) as *const AtomicU64) }
+    };
+    let shadow: Vec<AtomicU32> = (0..pages).map(|_| AtomicU32::new(0)).collect();
+
+    // Fill: first touch of every page, in order.
+    let t0 = Instant::now();
+    let mut last = Instant::now();
+    for p in 0..pages {
+        word(p, 0).store(p as u64 ^ MAGIC, Ordering::Relaxed);
+        if p % 4096 == 0 && last.elapsed() > Duration::from_millis(250) {
+            last = Instant::now();
+            emit(&Line::Progress {
+                phase: "fill".into(),
+                elapsed: t0.elapsed().as_secs_f64(),
+                done: p as f64 / pages as f64,
+                accesses: 0,
+            });
+        }
+    }
+    let fill_seconds = t0.elapsed().as_secs_f64();
+
+    // Random accesses.
+    let hot_pages = ((pages as f64 * a.hot) as u64).max(1);
+    let mut stride = 2_654_435_761u64 % pages as u64 | 1;
+    while gcd(stride, pages as u64) != 1 {
+        stride += 2;
+    }
+    let stop = AtomicBool::new(false);
+    let accesses = AtomicU64::new(0);
+    let sampled = AtomicU64::new(0);
+    let slow = AtomicU64::new(0);
+    let mismatches = AtomicU64::new(0);
+    let measured = AtomicU64::new(0);
+    let run_time = std::sync::Mutex::new(0.0f64);
+    let t1 = Instant::now();
+    std::thread::scope(|s| {
+        for t in 0..a.threads {
+            let (stop, accesses, sampled, slow, mismatches, shadow) =
+                (&stop, &accesses, &sampled, &slow, &mismatches, &shadow);
+            let a = &a;
+            s.spawn(move || {
+                let mut rng = Rng(a.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (t as u64 + 1) | 1);
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    for _ in 0..1024 {
+                        let r = rng.next();
+                        let p = if rng.unit() < a.hot_share {
+                            ((r % hot_pages).wrapping_mul(stride) % pages as u64) as usize
+                        } else {
+                            (r % pages as u64) as usize
+                        };
+                        let write = rng.unit() < a.writes;
+                        let timed = n % SAMPLE == 0;
+                        let ts = timed.then(Instant::now);
+                        if write {
+                            word(p, 1).fetch_add(1, Ordering::Relaxed);
+                            shadow[p].fetch_add(1, Ordering::Relaxed);
+                        } else {
+                            let k = 2 + (r >> 40) as usize % 500;
+                            std::hint::black_box(word(p, k).load(Ordering::Relaxed));
+                            if word(p, 0).load(Ordering::Relaxed) != p as u64 ^ MAGIC {
+                                mismatches.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                        if let Some(ts) = ts {
+                            sampled.fetch_add(1, Ordering::Relaxed);
+                            if ts.elapsed().as_nanos() as u64 > SLOW_NS {
+                                slow.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                        n += 1;
+                    }
+                    accesses.fetch_add(1024, Ordering::Relaxed);
+                }
+            });
+        }
+        let mut last = Instant::now();
+        while t1.elapsed().as_secs_f64() < a.warmup {
+            std::thread::sleep(Duration::from_millis(20));
+            if last.elapsed() > Duration::from_millis(250) {
+                last = Instant::now();
+                emit(&Line::Progress {
+                    phase: "warmup".into(),
+                    elapsed: t1.elapsed().as_secs_f64(),
+                    done: (t1.elapsed().as_secs_f64() / a.warmup).min(1.0),
+                    accesses: accesses.load(Ordering::Relaxed),
+                });
+            }
+        }
+        // Measure from here.
+        let base_accesses = accesses.load(Ordering::Relaxed);
+        sampled.store(0, Ordering::Relaxed);
+        slow.store(0, Ordering::Relaxed);
+        let t2 = Instant::now();
+        while t2.elapsed().as_secs_f64() < a.seconds {
+            std::thread::sleep(Duration::from_millis(20));
+            if last.elapsed() > Duration::from_millis(250) {
+                last = Instant::now();
+                emit(&Line::Progress {
+                    phase: "run".into(),
+                    elapsed: t2.elapsed().as_secs_f64(),
+                    done: (t2.elapsed().as_secs_f64() / a.seconds).min(1.0),
+                    accesses: accesses.load(Ordering::Relaxed) - base_accesses,
+                });
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        measured.store(
+            accesses.load(Ordering::Relaxed) - base_accesses,
+            Ordering::Relaxed,
+        );
+        *run_time.lock().unwrap() = t2.elapsed().as_secs_f64();
+    });
+    let run_seconds = *run_time.lock().unwrap();
+    let total = measured.load(Ordering::Relaxed);
+
+    // Verify every page.
+    for p in 0..pages {
+        if word(p, 0).load(Ordering::Relaxed) != p as u64 ^ MAGIC
+            || word(p, 1).load(Ordering::Relaxed) != shadow[p].load(Ordering::Relaxed) as u64
+        {
+            mismatches.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    let result = WorkloadResult {
+        footprint: len as u64,
+        fill_seconds,
+        run_seconds,
+        accesses: total,
+        throughput: total as f64 / run_seconds,
+        slow_fraction: slow.load(Ordering::Relaxed) as f64
+            / sampled.load(Ordering::Relaxed).max(1) as f64,
+        verified_pages: pages as u64,
+        mismatches: mismatches.load(Ordering::Relaxed),
+    };
+    let bad = result.mismatches > 0;
+    emit(&Line::Result(result));
+    Ok(if bad {
+        ExitCode::from(3)
+    } else {
+        ExitCode::SUCCESS
+    })
+}

@@ -1,0 +1,847 @@
+//! Every symbol this library overrides, in one file: the malloc family (large blocks become
+//! managed memory), the mmap family (large private anonymous mappings become managed memory;
+//! calls on managed ranges keep their meaning), SIGBUS disposition and masks (the engine's
+//! fault handler stays first and SIGBUS is never blocked), and the system calls that read or
+//! write user memory from the kernel (their managed buffers are brought in and pinned first,
+//! because in SIGBUS mode a kernel access to a missing page fails the call with EFAULT).
+
+#![allow(clippy::missing_safety_doc)]
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use libc::{c_char, c_int, c_void, iovec, msghdr, off_t, size_t, sockaddr, socklen_t, ssize_t};
+use memtide_engine::{signal, Engine, MemError};
+
+use crate::{
+    __libc_calloc, __libc_free, __libc_malloc, __libc_memalign, __libc_realloc, engine,
+    engine_or_start, IO_CHUNK, THRESHOLD,
+};
+
+const PAGE: usize = 4096;
+
+/// Resolves the next definition of a symbol (libc's), once.
+macro_rules! real {
+    ($name:literal, $ty:ty) => {{
+        static P: AtomicUsize = AtomicUsize::new(0);
+        let mut f = P.load(Ordering::Relaxed);
+        if f == 0 {
+            // SAFETY: NUL-terminated symbol name; RTLD_NEXT from a shared object.
+            f = unsafe {
+                libc::dlsym(
+                    libc::RTLD_NEXT,
+                    concat!($name, "\0").as_ptr() as *const c_char,
+                )
+            } as usize;
+            if f == 0 {
+                let msg = concat!("memtide: fatal: libc has no ", $name, "\n");
+                // SAFETY: writing a static message and aborting.
+                unsafe {
+                    libc::syscall(libc::SYS_write, 2, msg.as_ptr(), msg.len());
+                    libc::abort();
+                }
+            }
+            P.store(f, Ordering::Relaxed);
+        }
+        // SAFETY: `f` is the address of libc's function of this signature.
+        unsafe { std::mem::transmute::<usize, $ty>(f) }
+    }};
+}
+
+fn set_errno(e: c_int) {
+    // SAFETY: errno is always valid for the calling thread.
+    unsafe { *libc::__errno_location() = e };
+}
+
+fn threshold() -> usize {
+    THRESHOLD.load(Ordering::Relaxed)
+}
+
+/// The engine, if `p` is managed memory.
+fn managed(p: *const c_void) -> Option<&'static Engine> {
+    engine().filter(|e| e.contains(p as usize))
+}
+
+/// A managed block of at least `n` bytes aligned to `align`, if `n` is large enough and the
+/// engine runs.
+fn managed_alloc(n: usize, align: usize) -> Option<*mut c_void> {
+    if n < threshold() {
+        return None;
+    }
+    let e = engine_or_start()?;
+    e.alloc(n, align.max(PAGE)).ok().map(|p| p as *mut c_void)
+}
+
+// ----- the malloc family -----
+
+#[no_mangle]
+pub unsafe extern "C" fn malloc(n: size_t) -> *mut c_void {
+    if let Some(p) = managed_alloc(n, PAGE) {
+        return p;
+    }
+    // SAFETY: glibc's allocator.
+    unsafe { __libc_malloc(n) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn free(p: *mut c_void) {
+    if p.is_null() {
+        return;
+    }
+    if let Some(e) = managed(p) {
+        if let Some(len) = e.block_len(p as usize) {
+            let _ = e.release(p as usize, len);
+        }
+        return;
+    }
+    // SAFETY: not managed, so glibc's.
+    unsafe { __libc_free(p) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn calloc(n: size_t, size: size_t) -> *mut c_void {
+    let Some(total) = n.checked_mul(size) else {
+        set_errno(libc::ENOMEM);
+        return std::ptr::null_mut();
+    };
+    // Managed memory reads as zeros already.
+    if let Some(p) = managed_alloc(total, PAGE) {
+        return p;
+    }
+    // SAFETY: glibc's allocator.
+    unsafe { __libc_calloc(n, size) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn realloc(p: *mut c_void, n: size_t) -> *mut c_void {
+    if p.is_null() {
+        // SAFETY: as malloc.
+        return unsafe { malloc(n) };
+    }
+    if n == 0 {
+        // SAFETY: as free; glibc's realloc(p, 0) frees and returns NULL.
+        unsafe { free(p) };
+        return std::ptr::null_mut();
+    }
+    if let Some(e) = managed(p) {
+        let old = e.block_len(p as usize).unwrap_or(0);
+        if n >= threshold() {
+            if let Ok(q) = e.remap(p as usize, old, n, true) {
+                return q as *mut c_void;
+            }
+        }
+        // Shrinking below the threshold, or the engine cannot grow it (after fork): copy.
+        // SAFETY: a fresh block of n bytes; `old` bytes of p are readable managed memory.
+        unsafe {
+            let q = if n >= threshold() && !e.in_child() && !e.is_detached() {
+                malloc(n)
+            } else {
+                __libc_malloc(n)
+            };
+            if q.is_null() {
+                return q;
+            }
+            std::ptr::copy_nonoverlapping(p as *const u8, q as *mut u8, old.min(n));
+            let _ = e.release(p as usize, old);
+            return q;
+        }
+    }
+    if n >= threshold() {
+        if let Some(q) = managed_alloc(n, PAGE) {
+            // SAFETY: p is a live glibc block of malloc_usable_size(p) bytes.
+            unsafe {
+                let old = libc_usable_size(p);
+                std::ptr::copy_nonoverlapping(p as *const u8, q as *mut u8, old.min(n));
+                __libc_free(p);
+            }
+            return q;
+        }
+    }
+    // SAFETY: glibc's block.
+    unsafe { __libc_realloc(p, n) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn reallocarray(p: *mut c_void, n: size_t, size: size_t) -> *mut c_void {
+    match n.checked_mul(size) {
+        // SAFETY: as realloc.
+        Some(total) => unsafe { realloc(p, total) },
+        None => {
+            set_errno(libc::ENOMEM);
+            std::ptr::null_mut()
+        }
+    }
+}
+
+fn aligned(align: usize, n: usize) -> *mut c_void {
+    if let Some(p) = managed_alloc(n, align) {
+        return p;
+    }
+    // SAFETY: glibc's allocator.
+    unsafe { __libc_memalign(align, n) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn posix_memalign(out: *mut *mut c_void, align: size_t, n: size_t) -> c_int {
+    if !align.is_power_of_two() || align % std::mem::size_of::<usize>() != 0 {
+        return libc::EINVAL;
+    }
+    let p = aligned(align, n);
+    if p.is_null() {
+        return libc::ENOMEM;
+    }
+    // SAFETY: the caller passes a valid out-pointer.
+    unsafe { *out = p };
+    0
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn aligned_alloc(align: size_t, n: size_t) -> *mut c_void {
+    aligned(align, n)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn memalign(align: size_t, n: size_t) -> *mut c_void {
+    aligned(align, n)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn valloc(n: size_t) -> *mut c_void {
+    aligned(PAGE, n)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn pvalloc(n: size_t) -> *mut c_void {
+    aligned(PAGE, n.next_multiple_of(PAGE))
+}
+
+unsafe fn libc_usable_size(p: *mut c_void) -> usize {
+    let f = real!(
+        "malloc_usable_size",
+        unsafe extern "C" fn(*mut c_void) -> size_t
+    );
+    // SAFETY: p is a glibc block.
+    unsafe { f(p) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn malloc_usable_size(p: *mut c_void) -> size_t {
+    if p.is_null() {
+        return 0;
+    }
+    if let Some(e) = managed(p) {
+        return e.block_len(p as usize).unwrap_or(0);
+    }
+    // SAFETY: glibc's block.
+    unsafe { libc_usable_size(p) }
+}
+
+// ----- the mmap family -----
+
+fn fail<T>(e: c_int, v: T) -> T {
+    set_errno(e);
+    v
+}
+
+fn mem_errno(e: MemError) -> c_int {
+    match e {
+        MemError::NoRoom => libc::ENOMEM,
+        MemError::NotManaged | MemError::Unsupported => libc::EINVAL,
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn mmap(
+    addr: *mut c_void,
+    len: size_t,
+    prot: c_int,
+    flags: c_int,
+    fd: c_int,
+    off: off_t,
+) -> *mut c_void {
+    let fixed = flags & (libc::MAP_FIXED | libc::MAP_FIXED_NOREPLACE) != 0;
+    let anon_private = flags & libc::MAP_ANONYMOUS != 0 && flags & libc::MAP_PRIVATE != 0;
+    let plain = anon_private
+        && prot == libc::PROT_READ | libc::PROT_WRITE
+        && flags & (libc::MAP_STACK | libc::MAP_GROWSDOWN | libc::MAP_HUGETLB) == 0;
+    if fixed {
+        if let Some(e) = managed(addr) {
+            // A fresh private anonymous mapping over managed memory is a discard; anything
+            // else cannot live inside the arena.
+            if plain && flags & libc::MAP_FIXED_NOREPLACE == 0 {
+                return match e.discard(addr as usize, len) {
+                    Ok(()) => addr,
+                    Err(err) => fail(mem_errno(err), libc::MAP_FAILED),
+                };
+            }
+            return fail(libc::EINVAL, libc::MAP_FAILED);
+        }
+    } else if plain && len >= threshold() {
+        if let Some(p) = managed_alloc(len, PAGE) {
+            return p;
+        }
+    }
+    // SAFETY: the program's own mmap request, passed through.
+    match unsafe { memtide_engine::sys::mmap(addr as usize, len, prot, flags, fd, off) } {
+        Ok(p) => p as *mut c_void,
+        Err(e) => fail(e.raw_os_error().unwrap_or(libc::EINVAL), libc::MAP_FAILED),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn mmap64(
+    addr: *mut c_void,
+    len: size_t,
+    prot: c_int,
+    flags: c_int,
+    fd: c_int,
+    off: off_t,
+) -> *mut c_void {
+    // SAFETY: same contract as mmap.
+    unsafe { mmap(addr, len, prot, flags, fd, off) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn munmap(addr: *mut c_void, len: size_t) -> c_int {
+    if let Some(e) = managed(addr) {
+        if addr as usize % PAGE != 0 {
+            return fail(libc::EINVAL, -1);
+        }
+        return match e.release(addr as usize, len) {
+            Ok(()) => 0,
+            Err(err) => fail(mem_errno(err), -1),
+        };
+    }
+    // SAFETY: the program's own munmap, passed through.
+    match unsafe { memtide_engine::sys::munmap(addr as usize, len) } {
+        Ok(()) => 0,
+        Err(e) => fail(e.raw_os_error().unwrap_or(libc::EINVAL), -1),
+    }
+}
+
+/// `mremap` is variadic in C; on x86-64 the optional fifth argument arrives in the fifth
+/// integer register either way, so a five-argument definition reads it.
+#[no_mangle]
+pub unsafe extern "C" fn mremap(
+    old: *mut c_void,
+    old_len: size_t,
+    new_len: size_t,
+    flags: c_int,
+    new_addr: *mut c_void,
+) -> *mut c_void {
+    if let Some(e) = managed(old) {
+        if flags & (libc::MREMAP_FIXED | libc::MREMAP_DONTUNMAP) != 0 {
+            return fail(libc::EINVAL, libc::MAP_FAILED);
+        }
+        let may_move = flags & libc::MREMAP_MAYMOVE != 0;
+        return match e.remap(old as usize, old_len, new_len, may_move) {
+            Ok(p) => p as *mut c_void,
+            Err(MemError::NoRoom) if may_move && (e.in_child() || e.is_detached()) => {
+                // Plain memory now: move by copying.
+                // SAFETY: a fresh mapping; old_len bytes of old are readable.
+                unsafe {
+                    let q = memtide_engine::sys::mmap(
+                        0,
+                        new_len,
+                        libc::PROT_READ | libc::PROT_WRITE,
+                        libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                        -1,
+                        0,
+                    );
+                    match q {
+                        Ok(q) => {
+                            std::ptr::copy_nonoverlapping(
+                                old as *const u8,
+                                q as *mut u8,
+                                old_len.min(new_len),
+                            );
+                            let _ = e.release(old as usize, old_len);
+                            q as *mut c_void
+                        }
+                        Err(_) => fail(libc::ENOMEM, libc::MAP_FAILED),
+                    }
+                }
+            }
+            Err(err) => fail(mem_errno(err), libc::MAP_FAILED),
+        };
+    }
+    // SAFETY: the program's own mremap, passed through.
+    match unsafe {
+        memtide_engine::sys::mremap(old as usize, old_len, new_len, flags, new_addr as usize)
+    } {
+        Ok(p) => p as *mut c_void,
+        Err(e) => fail(e.raw_os_error().unwrap_or(libc::EINVAL), libc::MAP_FAILED),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn madvise(addr: *mut c_void, len: size_t, advice: c_int) -> c_int {
+    if let Some(e) = managed(addr) {
+        if addr as usize % PAGE != 0 {
+            return fail(libc::EINVAL, -1);
+        }
+        return match advice {
+            libc::MADV_DONTNEED | libc::MADV_FREE | libc::MADV_REMOVE => {
+                match e.discard(addr as usize, len) {
+                    Ok(()) => 0,
+                    Err(err) => fail(mem_errno(err), -1),
+                }
+            }
+            // Placement advice is memtide's job on managed memory: accepted, ignored.
+            _ => 0,
+        };
+    }
+    // SAFETY: the program's own madvise, passed through.
+    match unsafe { memtide_engine::sys::madvise(addr as usize, len, advice) } {
+        Ok(()) => 0,
+        Err(e) => fail(e.raw_os_error().unwrap_or(libc::EINVAL), -1),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn mprotect(addr: *mut c_void, len: size_t, prot: c_int) -> c_int {
+    if let Some(e) = managed(addr) {
+        if prot == libc::PROT_READ | libc::PROT_WRITE {
+            return 0;
+        }
+        // Memory the program protects must stay where it is: bring it in and pin it for good.
+        std::mem::forget(e.pin(addr as usize, len));
+    }
+    // SAFETY: the program's own mprotect, passed through.
+    match unsafe { memtide_engine::sys::mprotect(addr as usize, len, prot) } {
+        Ok(()) => 0,
+        Err(e) => fail(e.raw_os_error().unwrap_or(libc::EINVAL), -1),
+    }
+}
+
+// ----- SIGBUS: the engine's handler stays first -----
+
+#[no_mangle]
+pub unsafe extern "C" fn sigaction(
+    sig: c_int,
+    act: *const libc::sigaction,
+    old: *mut libc::sigaction,
+) -> c_int {
+    if sig == libc::SIGBUS && engine().is_some() {
+        // SAFETY: the caller passes valid or null pointers.
+        unsafe { signal::set_program_handler(act.as_ref(), old.as_mut()) };
+        return 0;
+    }
+    let f = real!(
+        "sigaction",
+        unsafe extern "C" fn(c_int, *const libc::sigaction, *mut libc::sigaction) -> c_int
+    );
+    // SAFETY: passed through.
+    unsafe { f(sig, act, old) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn signal(sig: c_int, handler: libc::sighandler_t) -> libc::sighandler_t {
+    if sig == libc::SIGBUS && engine().is_some() {
+        // SAFETY: sigaction structs are plain data.
+        let mut act: libc::sigaction = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
+        act.sa_sigaction = handler;
+        act.sa_flags = libc::SA_RESTART;
+        signal::set_program_handler(Some(&act), Some(&mut old));
+        return old.sa_sigaction;
+    }
+    let f = real!(
+        "signal",
+        unsafe extern "C" fn(c_int, libc::sighandler_t) -> libc::sighandler_t
+    );
+    // SAFETY: passed through.
+    unsafe { f(sig, handler) }
+}
+
+/// A copy of `set` without SIGBUS: a blocked SIGBUS raised by a fault kills the process, and
+/// the engine needs it to serve faults.
+unsafe fn without_sigbus(
+    set: *const libc::sigset_t,
+    copy: &mut libc::sigset_t,
+) -> *const libc::sigset_t {
+    if set.is_null() {
+        return set;
+    }
+    // SAFETY: set points at a valid sigset_t.
+    unsafe {
+        *copy = *set;
+        libc::sigdelset(copy, libc::SIGBUS);
+    }
+    copy
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sigprocmask(
+    how: c_int,
+    set: *const libc::sigset_t,
+    old: *mut libc::sigset_t,
+) -> c_int {
+    // SAFETY: plain data.
+    let mut copy: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: set is valid or null.
+    let set = if how == libc::SIG_UNBLOCK {
+        set
+    } else {
+        unsafe { without_sigbus(set, &mut copy) }
+    };
+    let f = real!(
+        "sigprocmask",
+        unsafe extern "C" fn(c_int, *const libc::sigset_t, *mut libc::sigset_t) -> c_int
+    );
+    // SAFETY: passed through.
+    unsafe { f(how, set, old) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn pthread_sigmask(
+    how: c_int,
+    set: *const libc::sigset_t,
+    old: *mut libc::sigset_t,
+) -> c_int {
+    // SAFETY: plain data.
+    let mut copy: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: set is valid or null.
+    let set = if how == libc::SIG_UNBLOCK {
+        set
+    } else {
+        unsafe { without_sigbus(set, &mut copy) }
+    };
+    let f = real!(
+        "pthread_sigmask",
+        unsafe extern "C" fn(c_int, *const libc::sigset_t, *mut libc::sigset_t) -> c_int
+    );
+    // SAFETY: passed through.
+    unsafe { f(how, set, old) }
+}
+
+// ----- system calls that touch user memory from the kernel -----
+
+fn touches_managed(buf: *const c_void, len: usize) -> Option<&'static Engine> {
+    let e = engine()?;
+    let a = buf as usize;
+    (len > 0 && (e.contains(a) || e.contains(a.saturating_add(len - 1)))).then_some(e)
+}
+
+fn is_regular(fd: c_int) -> bool {
+    // SAFETY: plain data; fstat fills it.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: valid out-pointer.
+    unsafe { libc::fstat(fd, &mut st) == 0 && st.st_mode & libc::S_IFMT == libc::S_IFREG }
+}
+
+/// Runs a one-buffer call with its managed part pinned, in chunks of at most `IO_CHUNK` bytes
+/// so that a huge buffer does not have to fit in the DRAM quota. `call(offset, len)` does the
+/// call for `[buf+offset, buf+offset+len)`. Chunks continue only on regular files (elsewhere
+/// a short count is the normal answer and another call could block).
+fn pinned_io(
+    fd: c_int,
+    buf: *const c_void,
+    len: usize,
+    mut call: impl FnMut(usize, usize) -> ssize_t,
+) -> ssize_t {
+    let Some(e) = touches_managed(buf, len) else {
+        return call(0, len);
+    };
+    let chunk = IO_CHUNK.load(Ordering::Relaxed);
+    let may_loop = len > chunk && is_regular(fd);
+    let mut done = 0usize;
+    loop {
+        let n = (len - done).min(chunk);
+        let r = {
+            let _pin = e.pin(buf as usize + done, n);
+            call(done, n)
+        };
+        if r < 0 {
+            return if done > 0 { done as ssize_t } else { r };
+        }
+        done += r as usize;
+        if !may_loop || (r as usize) < n || done >= len {
+            return done as ssize_t;
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, n: size_t) -> ssize_t {
+    let f = real!(
+        "read",
+        unsafe extern "C" fn(c_int, *mut c_void, size_t) -> ssize_t
+    );
+    // SAFETY: the program's buffer, passed through in pieces.
+    pinned_io(fd, buf, n, |o, l| unsafe {
+        f(fd, (buf as usize + o) as *mut c_void, l)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssize_t {
+    let f = real!(
+        "write",
+        unsafe extern "C" fn(c_int, *const c_void, size_t) -> ssize_t
+    );
+    // SAFETY: as read.
+    pinned_io(fd, buf, n, |o, l| unsafe {
+        f(fd, (buf as usize + o) as *const c_void, l)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn pread(fd: c_int, buf: *mut c_void, n: size_t, off: off_t) -> ssize_t {
+    let f = real!(
+        "pread",
+        unsafe extern "C" fn(c_int, *mut c_void, size_t, off_t) -> ssize_t
+    );
+    // SAFETY: as read.
+    pinned_io(fd, buf, n, |o, l| unsafe {
+        f(fd, (buf as usize + o) as *mut c_void, l, off + o as off_t)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn pread64(fd: c_int, buf: *mut c_void, n: size_t, off: off_t) -> ssize_t {
+    // SAFETY: same as pread on 64-bit.
+    unsafe { pread(fd, buf, n, off) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn pwrite(fd: c_int, buf: *const c_void, n: size_t, off: off_t) -> ssize_t {
+    let f = real!(
+        "pwrite",
+        unsafe extern "C" fn(c_int, *const c_void, size_t, off_t) -> ssize_t
+    );
+    // SAFETY: as read.
+    pinned_io(fd, buf, n, |o, l| unsafe {
+        f(fd, (buf as usize + o) as *const c_void, l, off + o as off_t)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn pwrite64(fd: c_int, buf: *const c_void, n: size_t, off: off_t) -> ssize_t {
+    // SAFETY: same as pwrite on 64-bit.
+    unsafe { pwrite(fd, buf, n, off) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn recv(fd: c_int, buf: *mut c_void, n: size_t, flags: c_int) -> ssize_t {
+    let f = real!(
+        "recv",
+        unsafe extern "C" fn(c_int, *mut c_void, size_t, c_int) -> ssize_t
+    );
+    // SAFETY: as read; sockets never loop.
+    pinned_io(fd, buf, n, |o, l| unsafe {
+        f(fd, (buf as usize + o) as *mut c_void, l, flags)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn send(fd: c_int, buf: *const c_void, n: size_t, flags: c_int) -> ssize_t {
+    let f = real!(
+        "send",
+        unsafe extern "C" fn(c_int, *const c_void, size_t, c_int) -> ssize_t
+    );
+    // SAFETY: as read.
+    pinned_io(fd, buf, n, |o, l| unsafe {
+        f(fd, (buf as usize + o) as *const c_void, l, flags)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn recvfrom(
+    fd: c_int,
+    buf: *mut c_void,
+    n: size_t,
+    flags: c_int,
+    addr: *mut sockaddr,
+    alen: *mut socklen_t,
+) -> ssize_t {
+    let f = real!(
+        "recvfrom",
+        unsafe extern "C" fn(
+            c_int,
+            *mut c_void,
+            size_t,
+            c_int,
+            *mut sockaddr,
+            *mut socklen_t,
+        ) -> ssize_t
+    );
+    // SAFETY: as read.
+    pinned_io(fd, buf, n, |o, l| unsafe {
+        f(fd, (buf as usize + o) as *mut c_void, l, flags, addr, alen)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendto(
+    fd: c_int,
+    buf: *const c_void,
+    n: size_t,
+    flags: c_int,
+    addr: *const sockaddr,
+    alen: socklen_t,
+) -> ssize_t {
+    let f = real!(
+        "sendto",
+        unsafe extern "C" fn(
+            c_int,
+            *const c_void,
+            size_t,
+            c_int,
+            *const sockaddr,
+            socklen_t,
+        ) -> ssize_t
+    );
+    // SAFETY: as read.
+    pinned_io(fd, buf, n, |o, l| unsafe {
+        f(
+            fd,
+            (buf as usize + o) as *const c_void,
+            l,
+            flags,
+            addr,
+            alen,
+        )
+    })
+}
+
+/// Pins the managed parts of an iovec array (all of it: vectored calls are not split) and
+/// runs `call`.
+unsafe fn pinned_iov(iov: *const iovec, cnt: c_int, call: impl FnOnce() -> ssize_t) -> ssize_t {
+    let Some(e) = engine() else {
+        return call();
+    };
+    if iov.is_null() || cnt <= 0 {
+        return call();
+    }
+    // SAFETY: the caller passes `cnt` valid iovecs.
+    let v = unsafe { std::slice::from_raw_parts(iov, cnt as usize) };
+    if !v
+        .iter()
+        .any(|x| touches_managed(x.iov_base, x.iov_len).is_some())
+    {
+        return call();
+    }
+    let pins: Vec<_> = v
+        .iter()
+        .filter(|x| touches_managed(x.iov_base, x.iov_len).is_some())
+        .map(|x| e.pin(x.iov_base as usize, x.iov_len))
+        .collect();
+    let r = call();
+    drop(pins);
+    r
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn readv(fd: c_int, iov: *const iovec, cnt: c_int) -> ssize_t {
+    let f = real!(
+        "readv",
+        unsafe extern "C" fn(c_int, *const iovec, c_int) -> ssize_t
+    );
+    // SAFETY: passed through with pins held.
+    unsafe { pinned_iov(iov, cnt, || f(fd, iov, cnt)) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn writev(fd: c_int, iov: *const iovec, cnt: c_int) -> ssize_t {
+    let f = real!(
+        "writev",
+        unsafe extern "C" fn(c_int, *const iovec, c_int) -> ssize_t
+    );
+    // SAFETY: passed through with pins held.
+    unsafe { pinned_iov(iov, cnt, || f(fd, iov, cnt)) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn preadv(fd: c_int, iov: *const iovec, cnt: c_int, off: off_t) -> ssize_t {
+    let f = real!(
+        "preadv",
+        unsafe extern "C" fn(c_int, *const iovec, c_int, off_t) -> ssize_t
+    );
+    // SAFETY: passed through with pins held.
+    unsafe { pinned_iov(iov, cnt, || f(fd, iov, cnt, off)) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn pwritev(fd: c_int, iov: *const iovec, cnt: c_int, off: off_t) -> ssize_t {
+    let f = real!(
+        "pwritev",
+        unsafe extern "C" fn(c_int, *const iovec, c_int, off_t) -> ssize_t
+    );
+    // SAFETY: passed through with pins held.
+    unsafe { pinned_iov(iov, cnt, || f(fd, iov, cnt, off)) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) -> ssize_t {
+    let f = real!(
+        "sendmsg",
+        unsafe extern "C" fn(c_int, *const msghdr, c_int) -> ssize_t
+    );
+    // SAFETY: msg is valid or null, as the kernel would require.
+    let (iov, cnt) = unsafe { msg.as_ref() }.map_or((std::ptr::null(), 0), |m| {
+        (m.msg_iov as *const iovec, m.msg_iovlen as c_int)
+    });
+    // SAFETY: passed through with pins held.
+    unsafe { pinned_iov(iov, cnt, || f(fd, msg, flags)) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> ssize_t {
+    let f = real!(
+        "recvmsg",
+        unsafe extern "C" fn(c_int, *mut msghdr, c_int) -> ssize_t
+    );
+    // SAFETY: as sendmsg.
+    let (iov, cnt) = unsafe { msg.as_ref() }.map_or((std::ptr::null(), 0), |m| {
+        (m.msg_iov as *const iovec, m.msg_iovlen as c_int)
+    });
+    // SAFETY: passed through with pins held.
+    unsafe { pinned_iov(iov, cnt, || f(fd, msg, flags)) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fread(
+    p: *mut c_void,
+    size: size_t,
+    n: size_t,
+    s: *mut libc::FILE,
+) -> size_t {
+    let f = real!(
+        "fread",
+        unsafe extern "C" fn(*mut c_void, size_t, size_t, *mut libc::FILE) -> size_t
+    );
+    let total = size.saturating_mul(n);
+    match touches_managed(p, total) {
+        Some(e) => {
+            let _pin = e.pin(p as usize, total);
+            // SAFETY: passed through with the buffer pinned.
+            unsafe { f(p, size, n, s) }
+        }
+        // SAFETY: passed through.
+        None => unsafe { f(p, size, n, s) },
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fwrite(
+    p: *const c_void,
+    size: size_t,
+    n: size_t,
+    s: *mut libc::FILE,
+) -> size_t {
+    let f = real!(
+        "fwrite",
+        unsafe extern "C" fn(*const c_void, size_t, size_t, *mut libc::FILE) -> size_t
+    );
+    let total = size.saturating_mul(n);
+    match touches_managed(p, total) {
+        Some(e) => {
+            let _pin = e.pin(p as usize, total);
+            // SAFETY: passed through with the buffer pinned.
+            unsafe { f(p, size, n, s) }
+        }
+        // SAFETY: passed through.
+        None => unsafe { f(p, size, n, s) },
+    }
+}
