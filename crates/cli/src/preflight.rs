@@ -79,13 +79,13 @@ pub fn check_tier(path: &Path, tier_size: Option<u64>) -> Result<bool> {
     let c = CString::new(probe.as_os_str().as_bytes()).context("tier path has a NUL byte")?;
     let flags = libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC;
     // SAFETY: NUL-terminated path.
-    let mut fd = unsafe { libc::open(c.as_ptr(), flags | libc::O_DIRECT, 0o600) };
-    let mut buffered = false;
-    if fd < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL) {
-        buffered = true;
-        // SAFETY: as above.
-        fd = unsafe { libc::open(c.as_ptr(), flags, 0o600) };
-    }
+    let fd = unsafe { libc::open(c.as_ptr(), flags, 0o600) };
+    // SAFETY: plain fcntl calls on our fd (checked below).
+    let buffered = fd >= 0
+        && unsafe {
+            let fl = libc::fcntl(fd, libc::F_GETFL);
+            libc::fcntl(fd, libc::F_SETFL, fl | libc::O_DIRECT) != 0
+        };
     if fd < 0 {
         let e = std::io::Error::last_os_error();
         return Err(match e.raw_os_error() {

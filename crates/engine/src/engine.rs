@@ -417,7 +417,7 @@ impl Engine {
     fn fill_zero(&self, p: usize) -> bool {
         let pages = self.pt.pages();
         let forward =
-            p == 0 || self.pt.load(p - 1).state() == State::Mapped || self.pt.block_len(p) != 0;
+            p == 0 || self.pt.load(p - 1).state() == State::Mapped || self.pt.block(p).0 != 0;
         let backward = p + 1 < pages && self.pt.load(p + 1).state() == State::Mapped;
         let want = if forward || backward { ZERO_CHUNK } else { 1 };
         self.reserve(want as u64);
@@ -582,8 +582,19 @@ impl Engine {
     // ----- the program's memory calls (normal context) -----
 
     /// Allocates `len` bytes of managed memory aligned to `align` (a power of two, at least a
-    /// page). The memory reads as zeros.
+    /// page), as for an anonymous `mmap`. The memory reads as zeros.
     pub fn alloc(&self, len: usize, align: usize) -> Result<usize, MemError> {
+        self.alloc_kind(len, align, false)
+    }
+
+    /// Allocates a malloc-family block: like [`alloc`](Self::alloc), but remembered as such,
+    /// so that [`malloc_len`](Self::malloc_len) knows it. (Other allocators may place their
+    /// own blocks in managed mappings; those are not ours to free.)
+    pub fn alloc_malloc(&self, len: usize, align: usize) -> Result<usize, MemError> {
+        self.alloc_kind(len, align, true)
+    }
+
+    fn alloc_kind(&self, len: usize, align: usize, malloc: bool) -> Result<usize, MemError> {
         if self.in_child() {
             return Err(MemError::NoRoom);
         }
@@ -598,7 +609,7 @@ impl Engine {
         for i in start..start + pages {
             self.pt.allocate(i);
         }
-        self.pt.set_block_len(start, pages);
+        self.pt.set_block(start, pages, malloc);
         let m = self
             .counters
             .managed_pages
@@ -673,7 +684,7 @@ impl Engine {
         self.take_pages(first, pages, &mut taken);
         self.drop_contents(first, pages, &taken);
         for &(i, _) in &taken {
-            self.pt.set_block_len(i, 0);
+            self.pt.set_block(i, 0, false);
             self.pt.publish(i, State::Free, Some(Activeness(0)));
         }
         {
@@ -728,18 +739,16 @@ impl Engine {
         Ok(())
     }
 
-    /// Length in bytes of the allocation that starts at `addr` (as made by [`alloc`] or
-    /// [`remap`]), if one does. Lock-free.
-    ///
-    /// [`alloc`]: Self::alloc
-    /// [`remap`]: Self::remap
-    pub fn block_len(&self, addr: usize) -> Option<usize> {
+    /// Length in bytes of the malloc-family block that starts at `addr` (made by
+    /// [`alloc_malloc`](Self::alloc_malloc), maybe resized by [`remap`](Self::remap)), if one
+    /// does. Lock-free.
+    pub fn malloc_len(&self, addr: usize) -> Option<usize> {
         if !self.contains(addr) || addr % PAGE_SIZE != 0 {
             return None;
         }
-        match self.pt.block_len(self.page_of(addr)) {
-            0 => None,
-            n => Some(n * PAGE_SIZE),
+        match self.pt.block(self.page_of(addr)) {
+            (n, true) if n > 0 => Some(n * PAGE_SIZE),
+            _ => None,
         }
     }
 
@@ -765,7 +774,8 @@ impl Engine {
                     (old_pages - new_pages) * PAGE_SIZE,
                 )?;
                 if !self.in_child() {
-                    self.pt.set_block_len(first, new_pages);
+                    let malloc = self.pt.block(first).1;
+                    self.pt.set_block(first, new_pages, malloc);
                 }
             }
             return Ok(addr);
@@ -780,7 +790,8 @@ impl Engine {
             for i in first + old_pages..first + new_pages {
                 self.pt.allocate(i);
             }
-            self.pt.set_block_len(first, new_pages);
+            let malloc = self.pt.block(first).1;
+            self.pt.set_block(first, new_pages, malloc);
             let m = self
                 .counters
                 .managed_pages
@@ -791,7 +802,7 @@ impl Engine {
         if !may_move {
             return Err(MemError::NoRoom);
         }
-        let to = self.alloc(new_len, PAGE_SIZE)?;
+        let to = self.alloc_kind(new_len, PAGE_SIZE, self.pt.block(first).1)?;
         self.move_contents(first, self.page_of(to), old_pages);
         self.release(addr, old_pages * PAGE_SIZE)?;
         Ok(to)

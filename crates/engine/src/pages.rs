@@ -47,6 +47,9 @@ const PIN_MASK: u32 = 0xFF << PIN_SHIFT;
 const HIST_SHIFT: u32 = 16;
 const HIST_MASK: u32 = 0xFF << HIST_SHIFT;
 
+/// Flag in a block length: the block was allocated through the malloc family.
+const MALLOC_BLOCK: u32 = 1 << 31;
+
 /// No staging slot / no tier slot.
 pub const NONE: u32 = u32::MAX;
 
@@ -158,13 +161,17 @@ impl PageTable {
         self.hashes.as_slice::<AtomicU64>()[i].store(h, Ordering::Release);
     }
 
-    pub fn block_len(&self, i: usize) -> usize {
-        self.lens.as_slice::<AtomicU32>()[i].load(Ordering::Acquire) as usize
+    /// The allocation starting at page `i`: its length in pages (0 if none starts here) and
+    /// whether it is a malloc-family block (as opposed to a mapping).
+    pub fn block(&self, i: usize) -> (usize, bool) {
+        let v = self.lens.as_slice::<AtomicU32>()[i].load(Ordering::Acquire);
+        ((v & !MALLOC_BLOCK) as usize, v & MALLOC_BLOCK != 0)
     }
 
-    pub fn set_block_len(&self, i: usize, pages: usize) {
-        self.lens.as_slice::<AtomicU32>()[i]
-            .store(pages.min(u32::MAX as usize) as u32, Ordering::Release);
+    pub fn set_block(&self, i: usize, pages: usize, malloc: bool) {
+        let v =
+            pages.min((MALLOC_BLOCK - 1) as usize) as u32 | if malloc { MALLOC_BLOCK } else { 0 };
+        self.lens.as_slice::<AtomicU32>()[i].store(v, Ordering::Release);
     }
 
     /// Claims page `i` if it is in state `from` (and, when `unpinned`, has no pins): moves it to

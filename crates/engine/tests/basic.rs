@@ -24,7 +24,7 @@ fn stamp(page: usize, round: u64) -> u64 {
 fn data_survives_eviction_and_fetch() {
     let e = engine(16);
     let len = 128usize << 20; // 8x the quota
-    let base = e.alloc(len, 4096).unwrap();
+    let base = e.alloc_malloc(len, 4096).unwrap();
     let pages = len / 4096;
     for p in 0..pages {
         let ptr = (base + p * 4096) as *mut u64;

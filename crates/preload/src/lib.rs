@@ -8,6 +8,7 @@
 //! Rust code here allocates through glibc's internal entry points (`__libc_malloc`), never
 //! through the `malloc` symbol this library overrides, so the library never re-enters itself.
 
+mod next;
 mod overrides;
 
 use std::alloc::{GlobalAlloc, Layout};

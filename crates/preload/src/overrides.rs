@@ -12,10 +12,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use libc::{c_char, c_int, c_void, iovec, msghdr, off_t, size_t, sockaddr, socklen_t, ssize_t};
 use memtide_engine::{signal, Engine, MemError};
 
-use crate::{
-    __libc_calloc, __libc_free, __libc_malloc, __libc_memalign, __libc_realloc, engine,
-    engine_or_start, IO_CHUNK, THRESHOLD,
-};
+use crate::next::{self, next};
+use crate::{engine, engine_or_start, IO_CHUNK, THRESHOLD};
 
 const PAGE: usize = 4096;
 
@@ -68,7 +66,9 @@ fn managed_alloc(n: usize, align: usize) -> Option<*mut c_void> {
         return None;
     }
     let e = engine_or_start()?;
-    e.alloc(n, align.max(PAGE)).ok().map(|p| p as *mut c_void)
+    e.alloc_malloc(n, align.max(PAGE))
+        .ok()
+        .map(|p| p as *mut c_void)
 }
 
 // ----- the malloc family -----
@@ -78,8 +78,11 @@ pub unsafe extern "C" fn malloc(n: size_t) -> *mut c_void {
     if let Some(p) = managed_alloc(n, PAGE) {
         return p;
     }
-    // SAFETY: glibc's allocator.
-    unsafe { __libc_malloc(n) }
+    match next() {
+        // SAFETY: the program's own allocator (the next definition of malloc).
+        Some(f) => unsafe { (f.malloc)(n) },
+        None => next::bootstrap_alloc(n, 16),
+    }
 }
 
 #[no_mangle]
@@ -88,13 +91,19 @@ pub unsafe extern "C" fn free(p: *mut c_void) {
         return;
     }
     if let Some(e) = managed(p) {
-        if let Some(len) = e.block_len(p as usize) {
+        if let Some(len) = e.malloc_len(p as usize) {
             let _ = e.release(p as usize, len);
+            return;
         }
+        // Otherwise a block of the program's allocator placed in a managed mapping.
+    }
+    if next::is_bootstrap(p) {
         return;
     }
-    // SAFETY: not managed, so glibc's.
-    unsafe { __libc_free(p) }
+    if let Some(f) = next() {
+        // SAFETY: not managed and not ours, so the program's allocator's.
+        unsafe { (f.free)(p) }
+    }
 }
 
 #[no_mangle]
@@ -107,8 +116,12 @@ pub unsafe extern "C" fn calloc(n: size_t, size: size_t) -> *mut c_void {
     if let Some(p) = managed_alloc(total, PAGE) {
         return p;
     }
-    // SAFETY: glibc's allocator.
-    unsafe { __libc_calloc(n, size) }
+    match next() {
+        // SAFETY: the program's own allocator.
+        Some(f) => unsafe { (f.calloc)(n, size) },
+        // The bootstrap area is zeroed static memory, never reused.
+        None => next::bootstrap_alloc(total, 16),
+    }
 }
 
 #[no_mangle]
@@ -122,8 +135,21 @@ pub unsafe extern "C" fn realloc(p: *mut c_void, n: size_t) -> *mut c_void {
         unsafe { free(p) };
         return std::ptr::null_mut();
     }
-    if let Some(e) = managed(p) {
-        let old = e.block_len(p as usize).unwrap_or(0);
+    if next::is_bootstrap(p) {
+        // SAFETY: a fresh block; the old one is readable up to its recorded size.
+        unsafe {
+            let q = malloc(n);
+            if !q.is_null() {
+                std::ptr::copy_nonoverlapping(
+                    p as *const u8,
+                    q as *mut u8,
+                    next::bootstrap_len(p).min(n),
+                );
+            }
+            return q;
+        }
+    }
+    if let Some((e, old)) = managed(p).and_then(|e| Some((e, e.malloc_len(p as usize)?))) {
         if n >= threshold() {
             if let Ok(q) = e.remap(p as usize, old, n, true) {
                 return q as *mut c_void;
@@ -135,7 +161,10 @@ pub unsafe extern "C" fn realloc(p: *mut c_void, n: size_t) -> *mut c_void {
             let q = if n >= threshold() && !e.in_child() && !e.is_detached() {
                 malloc(n)
             } else {
-                __libc_malloc(n)
+                match next() {
+                    Some(f) => (f.malloc)(n),
+                    None => next::bootstrap_alloc(n, 16),
+                }
             };
             if q.is_null() {
                 return q;
@@ -145,19 +174,22 @@ pub unsafe extern "C" fn realloc(p: *mut c_void, n: size_t) -> *mut c_void {
             return q;
         }
     }
+    let Some(f) = next() else {
+        return std::ptr::null_mut();
+    };
     if n >= threshold() {
         if let Some(q) = managed_alloc(n, PAGE) {
-            // SAFETY: p is a live glibc block of malloc_usable_size(p) bytes.
+            // SAFETY: p is a live block of the program's allocator of usable_size(p) bytes.
             unsafe {
-                let old = libc_usable_size(p);
+                let old = (f.usable_size)(p);
                 std::ptr::copy_nonoverlapping(p as *const u8, q as *mut u8, old.min(n));
-                __libc_free(p);
+                (f.free)(p);
             }
             return q;
         }
     }
-    // SAFETY: glibc's block.
-    unsafe { __libc_realloc(p, n) }
+    // SAFETY: the program's allocator's block.
+    unsafe { (f.realloc)(p, n) }
 }
 
 #[no_mangle]
@@ -176,8 +208,19 @@ fn aligned(align: usize, n: usize) -> *mut c_void {
     if let Some(p) = managed_alloc(n, align) {
         return p;
     }
-    // SAFETY: glibc's allocator.
-    unsafe { __libc_memalign(align, n) }
+    match next() {
+        Some(f) => {
+            let mut out = std::ptr::null_mut();
+            // SAFETY: the program's own allocator; posix_memalign wants a multiple of the
+            // pointer size, which every caller's alignment is rounded up to.
+            let align = align.max(std::mem::size_of::<usize>());
+            match unsafe { (f.posix_memalign)(&mut out, align, n) } {
+                0 => out,
+                e => fail(e, std::ptr::null_mut()),
+            }
+        }
+        None => next::bootstrap_alloc(n, align),
+    }
 }
 
 #[no_mangle]
@@ -214,25 +257,22 @@ pub unsafe extern "C" fn pvalloc(n: size_t) -> *mut c_void {
     aligned(PAGE, n.next_multiple_of(PAGE))
 }
 
-unsafe fn libc_usable_size(p: *mut c_void) -> usize {
-    let f = real!(
-        "malloc_usable_size",
-        unsafe extern "C" fn(*mut c_void) -> size_t
-    );
-    // SAFETY: p is a glibc block.
-    unsafe { f(p) }
-}
-
 #[no_mangle]
 pub unsafe extern "C" fn malloc_usable_size(p: *mut c_void) -> size_t {
     if p.is_null() {
         return 0;
     }
-    if let Some(e) = managed(p) {
-        return e.block_len(p as usize).unwrap_or(0);
+    if let Some(n) = managed(p).and_then(|e| e.malloc_len(p as usize)) {
+        return n;
     }
-    // SAFETY: glibc's block.
-    unsafe { libc_usable_size(p) }
+    if next::is_bootstrap(p) {
+        return next::bootstrap_len(p);
+    }
+    match next() {
+        // SAFETY: the program's allocator's block.
+        Some(f) => unsafe { (f.usable_size)(p) },
+        None => 0,
+    }
 }
 
 // ----- the mmap family -----
@@ -276,8 +316,8 @@ pub unsafe extern "C" fn mmap(
             return fail(libc::EINVAL, libc::MAP_FAILED);
         }
     } else if plain && len >= threshold() {
-        if let Some(p) = managed_alloc(len, PAGE) {
-            return p;
+        if let Some(p) = engine_or_start().and_then(|e| e.alloc(len, PAGE).ok()) {
+            return p as *mut c_void;
         }
     }
     // SAFETY: the program's own mmap request, passed through.

@@ -60,16 +60,9 @@ impl FileTier {
                 path: target.clone(),
                 source: io::Error::from(io::ErrorKind::InvalidInput),
             })?;
-        let base = libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC;
-        let mut direct = true;
+        let flags = libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC;
         // SAFETY: NUL-terminated path; returns a new fd or -1.
-        let mut fd = unsafe { libc::open(cpath.as_ptr(), base | libc::O_DIRECT, 0o600) };
-        if fd < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL) {
-            // The filesystem (tmpfs, for one) has no O_DIRECT: fall back to buffered I/O.
-            direct = false;
-            // SAFETY: as above.
-            fd = unsafe { libc::open(cpath.as_ptr(), base, 0o600) };
-        }
+        let fd = unsafe { libc::open(cpath.as_ptr(), flags, 0o600) };
         if fd < 0 {
             let e = io::Error::last_os_error();
             return Err(match e.raw_os_error() {
@@ -86,6 +79,13 @@ impl FileTier {
         }
         // SAFETY: `fd` was just opened by us.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // O_DIRECT is set afterwards, so that a filesystem without it (ramfs, some network
+        // filesystems) refuses only this and we fall back to buffered I/O.
+        // SAFETY: plain fcntl calls on our own fd.
+        let direct = unsafe {
+            let fl = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
+            libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, fl | libc::O_DIRECT) == 0
+        };
         // Unlinked at once: nothing is left behind, even if the program is killed.
         // SAFETY: NUL-terminated path.
         unsafe { libc::unlink(cpath.as_ptr()) };

@@ -1,0 +1,164 @@
+//! Bad input gets one clear line on stderr and a non-zero exit, and nothing is started or
+//! left behind; the program's own exit status is passed through.
+
+mod common;
+
+use common::{memtide, stderr, Scratch};
+
+fn fails_with(args: &[&str], needle: &str) {
+    let o = memtide().args(args).output().unwrap();
+    let err = stderr(&o);
+    assert!(!o.status.success(), "{args:?} should fail");
+    assert!(
+        err.contains(needle),
+        "{args:?}: expected {needle:?} in {err:?}"
+    );
+    assert!(
+        !err.contains("panicked") && !err.contains("RUST_BACKTRACE"),
+        "{err}"
+    );
+    assert!(
+        err.trim().lines().count() <= 3,
+        "one short message, got {err:?}"
+    );
+}
+
+#[test]
+fn dram_zero_and_garbage_and_too_large() {
+    fails_with(&["run", "--dram", "0", "--", "true"], "must be more than 0");
+    fails_with(&["run", "--dram", "lots", "--", "true"], "not a size");
+    fails_with(
+        &["run", "--dram", "100TiB", "--", "true"],
+        "more than this machine's memory",
+    );
+}
+
+#[test]
+fn tier_path_missing_existing_or_unwritable() {
+    fails_with(
+        &[
+            "run",
+            "--dram",
+            "64MiB",
+            "--tier",
+            "/nonexistent/dir/x.tier",
+            "--",
+            "true",
+        ],
+        "does not exist",
+    );
+    let s = Scratch::new("errors");
+    let f = s.path().join("taken.tier");
+    std::fs::write(&f, b"user data").unwrap();
+    fails_with(
+        &[
+            "run",
+            "--dram",
+            "64MiB",
+            "--tier",
+            f.to_str().unwrap(),
+            "--",
+            "true",
+        ],
+        "already exists",
+    );
+    assert_eq!(
+        std::fs::read(&f).unwrap(),
+        b"user data",
+        "an existing file is never touched"
+    );
+    fails_with(
+        &["run", "--dram", "64MiB", "--tier", "/proc", "--", "true"],
+        "tier path /proc",
+    );
+}
+
+#[test]
+fn program_not_found() {
+    fails_with(
+        &["run", "--dram", "64MiB", "--", "no-such-program-xyz"],
+        "not found",
+    );
+}
+
+#[test]
+fn exit_status_is_passed_through() {
+    let o = memtide()
+        .args([
+            "run", "--dram", "64MiB", "--quiet", "--", "sh", "-c", "exit 7",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(7), "{}", stderr(&o));
+}
+
+#[test]
+fn tier_without_o_direct_falls_back_and_says_so() {
+    // ramfs has no O_DIRECT (tmpfs has it on current kernels). Mounting needs root, as CI is.
+    let s = Scratch::new("ramfs");
+    let mnt = s.path().join("rf");
+    std::fs::create_dir(&mnt).unwrap();
+    let m = std::process::Command::new("mount")
+        .args(["-t", "ramfs", "none"])
+        .arg(&mnt)
+        .status()
+        .unwrap();
+    assert!(m.success(), "mounting a ramfs needs root");
+    let o = memtide()
+        .args(["run", "--dram", "16MiB", "--tier"])
+        .arg(&mnt)
+        .args([
+            "--",
+            "python3",
+            "-c",
+            "b = bytearray(range(256)) * (256 * 1024)\nassert b[12345678] == 12345678 % 256\nprint(sum(b[::4096]))",
+        ])
+        .output()
+        .unwrap();
+    let _ = std::process::Command::new("umount").arg(&mnt).status();
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("no O_DIRECT"), "{err}");
+    assert!(
+        err.contains("buffered"),
+        "the summary says the tier is buffered: {err}"
+    );
+    let want: u64 = (0..64u64 << 20).step_by(4096).map(|i| i % 256).sum();
+    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), want.to_string());
+}
+
+#[test]
+fn no_userfaultfd_permission_says_how_to_grant_it() {
+    // Run memtide as an unprivileged user with the sysctl closed: the syscall and
+    // /dev/userfaultfd (root-only) are both refused.
+    let sysctl =
+        std::fs::read_to_string("/proc/sys/vm/unprivileged_userfaultfd").unwrap_or_default();
+    assert_eq!(
+        sysctl.trim(),
+        "0",
+        "test expects vm.unprivileged_userfaultfd=0"
+    );
+    let bin = env!("CARGO_BIN_EXE_memtide");
+    let o = std::process::Command::new("setpriv")
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            bin,
+            "run",
+            "--dram",
+            "64MiB",
+            "--tier",
+            "/tmp",
+            "--",
+            "true",
+        ])
+        .output()
+        .unwrap();
+    let err = stderr(&o);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("vm.unprivileged_userfaultfd") && err.contains("/dev/userfaultfd"),
+        "{err}"
+    );
+}

@@ -1,0 +1,97 @@
+//! Helpers shared by the end-to-end tests: the memtide binary, scratch directories, free
+//! loopback ports, and the `--stats` JSON.
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+pub fn memtide() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_memtide"))
+}
+
+/// A scratch directory under /var/tmp (a disk filesystem with O_DIRECT), removed on drop.
+pub struct Scratch(pub PathBuf);
+
+impl Scratch {
+    pub fn new(name: &str) -> Scratch {
+        let p =
+            PathBuf::from("/var/tmp").join(format!("memtide-test-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        Scratch(p)
+    }
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+pub fn wait_for_port(port: u16, timeout: Duration) {
+    let start = Instant::now();
+    while start.elapsed() < timeout {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("nothing listens on port {port} after {timeout:?}");
+}
+
+/// Whether a program is installed (the real-program tests need it: CI installs it).
+pub fn require(program: &str) {
+    let ok = Command::new("sh")
+        .arg("-c")
+        .arg(format!("command -v {program}"))
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(
+        ok,
+        "{program} is not installed: run `bash .ci/run` (it installs it) or apt-get install it"
+    );
+}
+
+/// The stats of the process that managed the most memory, from a `--stats` file.
+pub fn main_stats(path: &Path) -> serde_json::Value {
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let pid = v["main_pid"].as_u64().expect("stats name a main process");
+    v["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["pid"].as_u64() == Some(pid))
+        .cloned()
+        .unwrap()
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Deterministic value bytes for a key.
+pub fn value_for(key: u64, len: usize) -> Vec<u8> {
+    let mut x = key.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
+}

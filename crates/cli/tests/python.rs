@@ -1,0 +1,83 @@
+//! End to end: python3 fills a 2 GiB bytearray with a seeded pattern and hashes it, under
+//! memtide with 512 MiB of DRAM; the hash must equal that of an untiered run, and the stats
+//! must show the memory really went through tier 1.
+
+mod common;
+
+use common::{main_stats, memtide, require, stderr, Scratch};
+
+const SCRIPT: &str = r#"
+import hashlib, sys
+n = int(sys.argv[1])
+b = bytearray(n)
+pat = hashlib.sha256(b"memtide").digest() * 2048
+for off in range(0, n, len(pat)):
+    b[off:off + len(pat)] = pat[:min(len(pat), n - off)]
+for i in range(0, n, 4096):
+    b[i] = (i // 4096) % 251
+# Touch it again out of order, so pages come back from tier 1 in another order.
+for i in range(n - 4096, 0, -4096 * 97):
+    b[i + 1] = (b[i] + 1) % 256
+print(hashlib.sha256(b).hexdigest())
+"#;
+
+#[test]
+fn python_bytearray_matches_untiered_run() {
+    require("python3");
+    let s = Scratch::new("python");
+    let script = s.path().join("big.py");
+    std::fs::write(&script, SCRIPT).unwrap();
+    let n = (2u64 << 30).to_string();
+    let plain = std::process::Command::new("python3")
+        .arg(&script)
+        .arg(&n)
+        .output()
+        .unwrap();
+    assert!(plain.status.success(), "{}", stderr(&plain));
+    let stats = s.path().join("stats.json");
+    let tiered = memtide()
+        .args(["run", "--dram", "512MiB", "--tier"])
+        .arg(s.path())
+        .arg("--stats")
+        .arg(&stats)
+        .args(["--", "python3"])
+        .arg(&script)
+        .arg(&n)
+        .output()
+        .unwrap();
+    assert!(tiered.status.success(), "{}", stderr(&tiered));
+    assert_eq!(
+        String::from_utf8_lossy(&tiered.stdout),
+        String::from_utf8_lossy(&plain.stdout),
+        "same bytes with and without memtide"
+    );
+    let st = main_stats(&stats);
+    assert!(
+        st["peak_managed_bytes"].as_u64().unwrap() >= 2 << 30,
+        "{st}"
+    );
+    assert!(
+        st["demotions"].as_u64().unwrap() > 100_000,
+        "data went to tier 1: {st}"
+    );
+    assert!(
+        st["faults_tier"].as_u64().unwrap() > 1000,
+        "data came back from tier 1: {st}"
+    );
+    assert!(
+        st["peak_dram_bytes"].as_u64().unwrap() <= (512 << 20) + (2 << 20),
+        "DRAM stayed within the budget plus slack: {st}"
+    );
+    let err = stderr(&tiered);
+    assert!(
+        err.contains("tier 1") && err.contains("promotions"),
+        "summary printed: {err}"
+    );
+    // The tier file is gone.
+    let left: Vec<_> = std::fs::read_dir(s.path())
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".tier"))
+        .collect();
+    assert!(left.is_empty(), "tier file left behind: {left:?}");
+}
