@@ -1,7 +1,492 @@
+//! `memtide bench`: the built-in workload under every configuration side by side in one run —
+//! all-DRAM, memtide at each DRAM budget, Linux swap at the same budgets (a memory cgroup
+//! limited to the budget and a swap file on the tier's filesystem, zswap off) — with
+//! interleaved repetitions, medians and ratios; plus two microbenchmarks (first-touch fill,
+//! tier-1 fault latency against a raw O_DIRECT read of the same device). Every system setting
+//! it changes is put back when it ends, however it ends. Entry point: [`bench`].
+
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
 use clap::Args;
-use std::process::ExitCode;
+use memtide_engine::size::format as bytes;
+use serde::Serialize;
+
+use crate::demo::{run_workload, Outcome, Placement};
+use crate::workload::WorkloadArgs;
+use crate::{opts, preflight};
+
 #[derive(Args, Debug)]
-pub struct BenchArgs {}
-pub fn bench(_a: BenchArgs) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("unfinished")
+pub struct BenchArgs {
+    /// Memory each workload run touches.
+    #[arg(long, value_parser = opts::nonzero_size, default_value = "2GiB")]
+    pub footprint: u64,
+    /// DRAM budgets, as percentages of the footprint.
+    #[arg(long, value_delimiter = ',', value_parser = opts::percent, default_value = "50,25")]
+    pub budgets: Vec<f64>,
+    /// Workloads: `skewed` (10% of pages take 99% of accesses: the hot set fits in half of
+    /// every budget) and `uniform`.
+    #[arg(long, value_delimiter = ',', default_value = "skewed,uniform")]
+    pub workloads: Vec<String>,
+    /// Directory for memtide's tier file and Linux's swap file (the same device for both).
+    #[arg(long, default_value = "/var/tmp")]
+    pub tier: PathBuf,
+    /// Seconds measured per run.
+    #[arg(long, value_parser = opts::seconds, default_value = "10")]
+    pub seconds: f64,
+    /// Seconds of warm-up per run before measuring.
+    #[arg(long, value_parser = opts::seconds_or_zero, default_value = "10")]
+    pub warmup: f64,
+    /// Repetitions of every configuration (interleaved); medians are reported.
+    #[arg(long, default_value_t = 3)]
+    pub reps: usize,
+    /// Skip the Linux-swap configurations (they need root).
+    #[arg(long)]
+    pub no_swap: bool,
+    /// Also write the results as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_interrupt(_: i32) {
+    INTERRUPTED.store(true, Ordering::Relaxed);
+}
+
+/// A setting the bench changed, restored on drop.
+enum Restore {
+    Swapfile(PathBuf),
+    Cgroup(PathBuf),
+    Write(PathBuf, String),
+}
+
+struct Guard(Vec<Restore>);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        for r in self.0.drain(..).rev() {
+            match r {
+                Restore::Swapfile(p) => {
+                    let _ = Command::new("swapoff").arg(&p).status();
+                    let _ = std::fs::remove_file(&p);
+                }
+                Restore::Cgroup(p) => {
+                    let _ = std::fs::remove_dir(&p);
+                }
+                Restore::Write(p, v) => {
+                    let _ = std::fs::write(&p, v);
+                }
+            }
+        }
+    }
+}
+
+/// Where the memory controller is and how to limit a cgroup.
+struct MemCgroup {
+    dir: PathBuf,
+    limit_file: &'static str,
+}
+
+fn find_memory_cgroup() -> Result<MemCgroup> {
+    let v2 = Path::new("/sys/fs/cgroup/cgroup.controllers");
+    if std::fs::read_to_string(v2).is_ok_and(|c| c.split_whitespace().any(|x| x == "memory")) {
+        return Ok(MemCgroup {
+            dir: PathBuf::from("/sys/fs/cgroup"),
+            limit_file: "memory.max",
+        });
+    }
+    let v1 = Path::new("/sys/fs/cgroup/memory");
+    if v1.join("memory.limit_in_bytes").exists() {
+        return Ok(MemCgroup {
+            dir: v1.to_path_buf(),
+            limit_file: "memory.limit_in_bytes",
+        });
+    }
+    bail!("no cgroup memory controller (v1 or v2) is mounted; run with --no-swap")
+}
+
+fn run_cmd(cmd: &mut Command, what: &str) -> Result<()> {
+    let out = cmd.output().with_context(|| format!("cannot run {what}"))?;
+    if !out.status.success() {
+        bail!(
+            "{what} failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+/// Sets up Linux swap: a swap file on the tier filesystem, zswap off, a cgroup per budget.
+fn setup_swap(a: &BenchArgs, guard: &mut Guard) -> Result<MemCgroup> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("the Linux-swap configurations need root (swapon, cgroups); run as root or with --no-swap");
+    }
+    let cg = find_memory_cgroup()?;
+    let zswap = Path::new("/sys/module/zswap/parameters/enabled");
+    if let Ok(v) = std::fs::read_to_string(zswap) {
+        if v.trim() == "Y" {
+            std::fs::write(zswap, "N").context("cannot turn zswap off")?;
+            guard
+                .0
+                .push(Restore::Write(zswap.to_path_buf(), "Y".into()));
+        }
+    }
+    let swap = a
+        .tier
+        .join(format!("memtide-bench-{}.swap", std::process::id()));
+    guard.0.push(Restore::Swapfile(swap.clone()));
+    let size = a.footprint + (256 << 20);
+    let f = std::fs::File::create(&swap)
+        .with_context(|| format!("cannot create {}", swap.display()))?;
+    // Swap files must be fully allocated.
+    let c = CString::new(swap.as_os_str().as_bytes())?;
+    drop(f);
+    // SAFETY: opening our own file and allocating its blocks.
+    unsafe {
+        let fd = libc::open(c.as_ptr(), libc::O_RDWR);
+        let r = libc::fallocate(fd, 0, 0, size as libc::off_t);
+        libc::close(fd);
+        if r != 0 {
+            bail!(
+                "cannot allocate a {} swap file in {}",
+                bytes(size),
+                a.tier.display()
+            );
+        }
+    }
+    std::fs::set_permissions(&swap, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+    run_cmd(Command::new("mkswap").arg(&swap), "mkswap")?;
+    run_cmd(Command::new("swapon").arg(&swap), "swapon")?;
+    Ok(cg)
+}
+
+#[derive(Serialize, Clone)]
+struct RunRecord {
+    workload: String,
+    config: String,
+    rep: usize,
+    throughput: f64,
+    fill_seconds: f64,
+    slow_fraction: f64,
+    peak_rss: u64,
+    tier_fault_p50_us: Option<f64>,
+    tier_read_p50_us: Option<f64>,
+    peak_dram: Option<u64>,
+    verified_pages: u64,
+}
+
+#[derive(Serialize)]
+struct Row {
+    workload: String,
+    config: String,
+    throughput_median: f64,
+    vs_dram: f64,
+    vs_swap: Option<f64>,
+    fill_median_seconds: f64,
+    slow_fraction_median: f64,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// p50 of random 4 KiB O_DIRECT reads at queue depth 1 on a file in `dir`, in µs.
+fn raw_read_p50_us(dir: &Path) -> Result<f64> {
+    const SIZE: usize = 256 << 20;
+    let path = dir.join(format!(".memtide-bench-raw-{}", std::process::id()));
+    let c = CString::new(path.as_os_str().as_bytes())?;
+    // SAFETY: our own file; buffers are aligned mappings; all calls checked.
+    unsafe {
+        let fd = libc::open(
+            c.as_ptr(),
+            libc::O_RDWR | libc::O_CREAT | libc::O_TRUNC | libc::O_DIRECT,
+            0o600,
+        );
+        libc::unlink(c.as_ptr());
+        if fd < 0 {
+            bail!("cannot open a raw O_DIRECT file in {}", dir.display());
+        }
+        let chunk = 1 << 20;
+        let buf = libc::mmap(
+            std::ptr::null_mut(),
+            chunk,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        );
+        std::ptr::write_bytes(buf as *mut u8, 0xA5, chunk);
+        for off in (0..SIZE).step_by(chunk) {
+            libc::pwrite(fd, buf, chunk, off as libc::off_t);
+        }
+        let mut lat = Vec::with_capacity(4000);
+        let mut x = 0x1234_5678_9abc_def1u64;
+        let start = Instant::now();
+        while lat.len() < 4000 && start.elapsed().as_secs_f64() < 3.0 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let off = (x % (SIZE as u64 / 4096)) * 4096;
+            let t = Instant::now();
+            libc::pread(fd, buf, 4096, off as libc::off_t);
+            lat.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+        libc::munmap(buf, chunk);
+        libc::close(fd);
+        Ok(median(lat))
+    }
+}
+
+pub fn bench(a: BenchArgs) -> Result<ExitCode> {
+    if a.reps == 0 {
+        bail!("--reps must be at least 1");
+    }
+    for w in &a.workloads {
+        if w != "skewed" && w != "uniform" {
+            bail!("unknown workload `{w}`: choose skewed, uniform");
+        }
+    }
+    if a.footprint > preflight::machine_memory() / 2 {
+        bail!("--footprint {} is more than half this machine's memory; the all-DRAM runs need it all in DRAM", bytes(a.footprint));
+    }
+    let budgets: Vec<u64> = a
+        .budgets
+        .iter()
+        .map(|p| ((a.footprint as f64 * p / 100.0) as u64).next_multiple_of(1 << 20))
+        .collect();
+    for &b in &budgets {
+        preflight::check_dram(b)?;
+    }
+    preflight::check_tier(&a.tier, Some(a.footprint))?;
+    preflight::check_uffd()?;
+    let preload = preflight::find_preload()?;
+    // SAFETY: installing an async-signal-safe handler; children still get the terminal's
+    // SIGINT and stop, and we clean up.
+    unsafe {
+        libc::signal(
+            libc::SIGINT,
+            on_interrupt as *const () as libc::sighandler_t,
+        );
+        libc::signal(
+            libc::SIGTERM,
+            on_interrupt as *const () as libc::sighandler_t,
+        );
+    }
+    let mut guard = Guard(Vec::new());
+    let cg = if a.no_swap {
+        None
+    } else {
+        Some(setup_swap(&a, &mut guard)?)
+    };
+    // One cgroup per budget, created now so a failure stops us before any run.
+    let mut cgroups = Vec::new();
+    if let Some(cg) = &cg {
+        for &b in &budgets {
+            let dir = cg
+                .dir
+                .join(format!("memtide-bench-{}-{}", std::process::id(), b >> 20));
+            std::fs::create_dir(&dir)
+                .with_context(|| format!("cannot create cgroup {}", dir.display()))?;
+            guard.0.push(Restore::Cgroup(dir.clone()));
+            std::fs::write(dir.join(cg.limit_file), b.to_string())
+                .with_context(|| format!("cannot set the memory limit of {}", dir.display()))?;
+            cgroups.push(dir.join("cgroup.procs"));
+        }
+    }
+
+    eprintln!(
+        "memtide bench: {} footprint; budgets {}; {} reps of {:.0}+{:.0} s; tier and swap in {}",
+        bytes(a.footprint),
+        budgets
+            .iter()
+            .map(|b| bytes(*b))
+            .collect::<Vec<_>>()
+            .join(", "),
+        a.reps,
+        a.warmup,
+        a.seconds,
+        a.tier.display()
+    );
+    let raw_p50 = raw_read_p50_us(&a.tier).ok();
+    let mut records: Vec<RunRecord> = Vec::new();
+    for rep in 0..a.reps {
+        for wname in &a.workloads {
+            let w = WorkloadArgs {
+                footprint: a.footprint,
+                hot: if wname == "skewed" { 0.10 } else { 1.0 },
+                hot_share: if wname == "skewed" { 0.99 } else { 1.0 },
+                writes: 0.2,
+                seconds: a.seconds,
+                warmup: a.warmup,
+                threads: 1,
+                seed: 42 + rep as u64,
+            };
+            let mut configs: Vec<(String, Placement)> = vec![("all-DRAM".into(), Placement::Dram)];
+            for (i, &b) in budgets.iter().enumerate() {
+                configs.push((
+                    format!("memtide {:.0}%", a.budgets[i]),
+                    Placement::Memtide {
+                        dram: b,
+                        tier: &a.tier,
+                        preload: &preload,
+                    },
+                ));
+                if let Some(procs) = cgroups.get(i) {
+                    configs.push((
+                        format!("Linux swap {:.0}%", a.budgets[i]),
+                        Placement::Cgroup { procs },
+                    ));
+                }
+            }
+            for (name, place) in &configs {
+                if INTERRUPTED.load(Ordering::Relaxed) {
+                    bail!("interrupted; settings restored");
+                }
+                let label = format!("[{}/{}] {wname} {name}", rep + 1, a.reps);
+                let o: Outcome = run_workload(&label, &w, place)?;
+                eprintln!(
+                    "{label}: {:.0} k accesses/s, {:.2}% slow, fill {:.2} s ({:.0} s)",
+                    o.result.throughput / 1e3,
+                    o.result.slow_fraction * 100.0,
+                    o.result.fill_seconds,
+                    o.wall_seconds
+                );
+                records.push(RunRecord {
+                    workload: wname.clone(),
+                    config: name.clone(),
+                    rep,
+                    throughput: o.result.throughput,
+                    fill_seconds: o.result.fill_seconds,
+                    slow_fraction: o.result.slow_fraction,
+                    peak_rss: o.peak_rss,
+                    tier_fault_p50_us: o.memtide.as_ref().map(|s| s.fault_tier_latency_p50_us),
+                    tier_read_p50_us: o.memtide.as_ref().map(|s| s.tier_read_latency_p50_us),
+                    peak_dram: o.memtide.as_ref().map(|s| s.peak_dram_bytes),
+                    verified_pages: o.result.verified_pages,
+                });
+            }
+        }
+    }
+    drop(guard);
+
+    // Medians and ratios.
+    let med = |w: &str, c: &str, f: &dyn Fn(&RunRecord) -> f64| {
+        median(
+            records
+                .iter()
+                .filter(|r| r.workload == w && r.config == c)
+                .map(f)
+                .collect(),
+        )
+    };
+    let mut rows = Vec::new();
+    let mut configs: Vec<String> = Vec::new();
+    for r in &records {
+        if !configs.contains(&r.config) {
+            configs.push(r.config.clone());
+        }
+    }
+    println!();
+    println!(
+        "{:<9} {:<16} {:>12} {:>9} {:>9} {:>9} {:>8}",
+        "workload", "config", "accesses/s", "vs DRAM", "vs swap", "slow", "fill s"
+    );
+    for w in &a.workloads {
+        let dram = med(w, "all-DRAM", &|r| r.throughput);
+        for c in &configs {
+            let t = med(w, c, &|r| r.throughput);
+            let vs_swap = c
+                .strip_prefix("memtide ")
+                .map(|pct| t / med(w, &format!("Linux swap {pct}"), &|r| r.throughput))
+                .filter(|v| v.is_finite());
+            let row = Row {
+                workload: w.clone(),
+                config: c.clone(),
+                throughput_median: t,
+                vs_dram: t / dram,
+                vs_swap,
+                fill_median_seconds: med(w, c, &|r| r.fill_seconds),
+                slow_fraction_median: med(w, c, &|r| r.slow_fraction),
+            };
+            println!(
+                "{:<9} {:<16} {:>12.0} {:>8.3}x {:>9} {:>8.2}% {:>8.2}",
+                row.workload,
+                row.config,
+                row.throughput_median,
+                row.vs_dram,
+                row.vs_swap.map_or("-".into(), |v| format!("{v:.2}x")),
+                row.slow_fraction_median * 100.0,
+                row.fill_median_seconds
+            );
+            rows.push(row);
+        }
+    }
+    let fault_p50 = median(
+        records
+            .iter()
+            .filter(|r| r.workload == a.workloads[0])
+            .filter_map(|r| r.tier_fault_p50_us)
+            .collect(),
+    );
+    let fill_dram = median(
+        records
+            .iter()
+            .filter(|r| r.config == "all-DRAM")
+            .map(|r| r.fill_seconds)
+            .collect(),
+    );
+    let fill_mt = median(
+        records
+            .iter()
+            .filter(|r| r.config.starts_with("memtide"))
+            .map(|r| r.fill_seconds)
+            .collect(),
+    );
+    println!();
+    println!(
+        "first-touch fill of {}: all-DRAM {fill_dram:.2} s, memtide {fill_mt:.2} s ({:.2}x)",
+        bytes(a.footprint),
+        fill_mt / fill_dram
+    );
+    match raw_p50 {
+        Some(raw) => println!(
+            "tier-1 fault p50 {fault_p50:.0} µs vs raw O_DIRECT 4 KiB read p50 {raw:.0} µs on the same device (+{:.0} µs)",
+            fault_p50 - raw
+        ),
+        None => println!("tier-1 fault p50 {fault_p50:.0} µs (raw device read not measured)"),
+    }
+    if let Some(p) = &a.json {
+        let json = serde_json::json!({
+            "footprint": a.footprint,
+            "budgets": budgets,
+            "seconds": a.seconds,
+            "warmup": a.warmup,
+            "reps": a.reps,
+            "rows": rows,
+            "runs": records,
+            "fill_dram_seconds": fill_dram,
+            "fill_memtide_seconds": fill_mt,
+            "tier_fault_p50_us": fault_p50,
+            "raw_read_p50_us": raw_p50,
+        });
+        std::fs::write(p, serde_json::to_vec_pretty(&json)?)
+            .with_context(|| format!("cannot write {}", p.display()))?;
+    }
+    Ok(ExitCode::SUCCESS)
 }

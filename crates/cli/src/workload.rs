@@ -171,7 +171,7 @@ pub fn main(a: WorkloadArgs) -> Result<ExitCode> {
 
     // Random accesses.
     let hot_pages = ((pages as f64 * a.hot) as u64).max(1);
-    let mut stride = 2_654_435_761u64 % pages as u64 | 1;
+    let mut stride = (2_654_435_761u64 % pages as u64) | 1;
     while gcd(stride, pages as u64) != 1 {
         stride += 2;
     }
@@ -200,7 +200,7 @@ pub fn main(a: WorkloadArgs) -> Result<ExitCode> {
                             (r % pages as u64) as usize
                         };
                         let write = rng.unit() < a.writes;
-                        let timed = n % SAMPLE == 0;
+                        let timed = n.is_multiple_of(SAMPLE);
                         let ts = timed.then(Instant::now);
                         if write {
                             word(p, 1).fetch_add(1, Ordering::Relaxed);
@@ -265,9 +265,9 @@ pub fn main(a: WorkloadArgs) -> Result<ExitCode> {
     let total = measured.load(Ordering::Relaxed);
 
     // Verify every page.
-    for p in 0..pages {
+    for (p, writes) in shadow.iter().enumerate() {
         if word(p, 0).load(Ordering::Relaxed) != p as u64 ^ MAGIC
-            || word(p, 1).load(Ordering::Relaxed) != shadow[p].load(Ordering::Relaxed) as u64
+            || word(p, 1).load(Ordering::Relaxed) != writes.load(Ordering::Relaxed) as u64
         {
             mismatches.fetch_add(1, Ordering::Relaxed);
         }

@@ -620,7 +620,7 @@ impl Engine {
     }
 
     fn page_range(&self, addr: usize, len: usize) -> Result<(usize, usize), MemError> {
-        if !self.contains(addr) || addr % PAGE_SIZE != 0 {
+        if !self.contains(addr) || !addr.is_multiple_of(PAGE_SIZE) {
             return Err(MemError::NotManaged);
         }
         let first = self.page_of(addr);
@@ -743,7 +743,7 @@ impl Engine {
     /// [`alloc_malloc`](Self::alloc_malloc), maybe resized by [`remap`](Self::remap)), if one
     /// does. Lock-free.
     pub fn malloc_len(&self, addr: usize) -> Option<usize> {
-        if !self.contains(addr) || addr % PAGE_SIZE != 0 {
+        if !self.contains(addr) || !addr.is_multiple_of(PAGE_SIZE) {
             return None;
         }
         match self.pt.block(self.page_of(addr)) {

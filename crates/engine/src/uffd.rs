@@ -80,7 +80,7 @@ const UFFDIO_UNREGISTER: u64 = ior(0x01, std::mem::size_of::<UffdioRange>());
 const UFFDIO_COPY: u64 = iowr(0x03, std::mem::size_of::<UffdioCopy>());
 const UFFDIO_MOVE: u64 = iowr(0x05, std::mem::size_of::<UffdioMove>());
 /// `_IO(0xAA, 0)` on /dev/userfaultfd.
-const USERFAULTFD_IOC_NEW: u64 = (UFFDIO << 8) as u64;
+const USERFAULTFD_IOC_NEW: u64 = UFFDIO << 8;
 
 /// Why a userfaultfd could not be opened: the cases a user can act on are told apart.
 #[derive(Debug, thiserror::Error)]

@@ -55,12 +55,22 @@ pub fn next() -> Option<&'static Next> {
     // SAFETY: each address is the next definition of the function of that signature.
     let next = unsafe {
         Next {
-            malloc: std::mem::transmute::<usize, _>(f[0]),
-            free: std::mem::transmute::<usize, _>(f[1]),
-            calloc: std::mem::transmute::<usize, _>(f[2]),
-            realloc: std::mem::transmute::<usize, _>(f[3]),
-            posix_memalign: std::mem::transmute::<usize, _>(f[4]),
-            usable_size: std::mem::transmute::<usize, _>(f[5]),
+            malloc: std::mem::transmute::<usize, unsafe extern "C" fn(size_t) -> *mut c_void>(f[0]),
+            free: std::mem::transmute::<usize, unsafe extern "C" fn(*mut c_void)>(f[1]),
+            calloc: std::mem::transmute::<usize, unsafe extern "C" fn(size_t, size_t) -> *mut c_void>(
+                f[2],
+            ),
+            realloc: std::mem::transmute::<
+                usize,
+                unsafe extern "C" fn(*mut c_void, size_t) -> *mut c_void,
+            >(f[3]),
+            posix_memalign: std::mem::transmute::<
+                usize,
+                unsafe extern "C" fn(*mut *mut c_void, size_t, size_t) -> c_int,
+            >(f[4]),
+            usable_size: std::mem::transmute::<usize, unsafe extern "C" fn(*mut c_void) -> size_t>(
+                f[5],
+            ),
         }
     };
     // Allocated from the bootstrap area: Box would go through Rust's allocator, which is

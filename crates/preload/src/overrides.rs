@@ -211,9 +211,9 @@ fn aligned(align: usize, n: usize) -> *mut c_void {
     match next() {
         Some(f) => {
             let mut out = std::ptr::null_mut();
-            // SAFETY: the program's own allocator; posix_memalign wants a multiple of the
-            // pointer size, which every caller's alignment is rounded up to.
+            // posix_memalign wants a multiple of the pointer size.
             let align = align.max(std::mem::size_of::<usize>());
+            // SAFETY: the program's own allocator with a valid out-pointer.
             match unsafe { (f.posix_memalign)(&mut out, align, n) } {
                 0 => out,
                 e => fail(e, std::ptr::null_mut()),
@@ -225,7 +225,7 @@ fn aligned(align: usize, n: usize) -> *mut c_void {
 
 #[no_mangle]
 pub unsafe extern "C" fn posix_memalign(out: *mut *mut c_void, align: size_t, n: size_t) -> c_int {
-    if !align.is_power_of_two() || align % std::mem::size_of::<usize>() != 0 {
+    if !align.is_power_of_two() || !align.is_multiple_of(std::mem::size_of::<usize>()) {
         return libc::EINVAL;
     }
     let p = aligned(align, n);
@@ -343,7 +343,7 @@ pub unsafe extern "C" fn mmap64(
 #[no_mangle]
 pub unsafe extern "C" fn munmap(addr: *mut c_void, len: size_t) -> c_int {
     if let Some(e) = managed(addr) {
-        if addr as usize % PAGE != 0 {
+        if !(addr as usize).is_multiple_of(PAGE) {
             return fail(libc::EINVAL, -1);
         }
         return match e.release(addr as usize, len) {
@@ -416,7 +416,7 @@ pub unsafe extern "C" fn mremap(
 #[no_mangle]
 pub unsafe extern "C" fn madvise(addr: *mut c_void, len: size_t, advice: c_int) -> c_int {
     if let Some(e) = managed(addr) {
-        if addr as usize % PAGE != 0 {
+        if !(addr as usize).is_multiple_of(PAGE) {
             return fail(libc::EINVAL, -1);
         }
         return match advice {
@@ -519,10 +519,10 @@ pub unsafe extern "C" fn sigprocmask(
 ) -> c_int {
     // SAFETY: plain data.
     let mut copy: libc::sigset_t = unsafe { std::mem::zeroed() };
-    // SAFETY: set is valid or null.
     let set = if how == libc::SIG_UNBLOCK {
         set
     } else {
+        // SAFETY: set is valid or null.
         unsafe { without_sigbus(set, &mut copy) }
     };
     let f = real!(
@@ -541,10 +541,10 @@ pub unsafe extern "C" fn pthread_sigmask(
 ) -> c_int {
     // SAFETY: plain data.
     let mut copy: libc::sigset_t = unsafe { std::mem::zeroed() };
-    // SAFETY: set is valid or null.
     let set = if how == libc::SIG_UNBLOCK {
         set
     } else {
+        // SAFETY: set is valid or null.
         unsafe { without_sigbus(set, &mut copy) }
     };
     let f = real!(
