@@ -34,7 +34,7 @@ use crate::arena::RangeAlloc;
 use crate::pages::{PageTable, State, NONE};
 use crate::stats::{Counters, Snapshot};
 use crate::sys::{self, Mapping};
-use crate::tier::{Backend, FileTier, SlotMap, TierOpenError};
+use crate::tier::{self, Backend, FileTier, SlotMap, TierOpenError};
 use crate::uffd::{OpenError, Uffd};
 
 /// Pages zero-filled together on a first touch (64 KiB).
@@ -207,7 +207,7 @@ impl Engine {
             return Err(StartError::QuotaTooSmall);
         }
         let uffd = Uffd::open()?;
-        let tier = FileTier::create(&cfg.tier_path)?;
+        let (tier, tier_note) = tier::best(FileTier::create(&cfg.tier_path)?);
         let arena_pages = (cfg.arena_bytes as usize / PAGE_SIZE).max(ZERO_CHUNK);
         let arena = Mapping::anon(arena_pages * PAGE_SIZE).map_err(io_err("reserve the arena"))?;
         let wm = Watermarks::for_quota(cfg.dram_bytes / PAGE_SIZE as u64);
@@ -229,7 +229,7 @@ impl Engine {
             ring_head: AtomicU64::new(0),
             ring_tail: AtomicU64::new(0),
             pt: PageTable::new(arena_pages).map_err(io_err("map the page table"))?,
-            tier: Box::new(tier),
+            tier,
             slots: Mutex::new(SlotMap::new(tier_limit.min(u32::MAX as u64 - 2))),
             ranges: Mutex::new(RangeAlloc::new(arena_pages)),
             high_water: AtomicUsize::new(0),
@@ -257,6 +257,9 @@ impl Engine {
             staging,
             uffd,
         }));
+        if let Some(note) = tier_note {
+            engine.warn(note);
+        }
         if !engine.tier.direct() {
             engine.warn(format!(
                 "tier {} does not support O_DIRECT; using buffered I/O (tier reads may be served from the page cache)",
@@ -485,7 +488,7 @@ impl Engine {
             self.uffd
                 .move_pages(self.addr_of(p), self.stage_addr(s), PAGE_SIZE)
         };
-        if let Err(e) = res {
+        if res.is_err() {
             // Fall back to a copy; the staging page stays until the evictor zaps its slot.
             // SAFETY: the staging page is mapped and readable; the arena page is ours.
             if let Err(e2) = unsafe {
@@ -494,7 +497,6 @@ impl Engine {
             } {
                 fatal("moving an inactive page back failed", &e2.error);
             }
-            let _ = e;
         }
         self.pt.set_stage(p, NONE);
         self.staged.fetch_sub(1, Ordering::AcqRel);
@@ -1335,37 +1337,54 @@ impl Engine {
         released
     }
 
-    /// Writes dirty pages to runs of consecutive tier slots. Pages that could not be written
-    /// are pushed to `failed`, and tier 1 is marked failed (eviction stops, data stays in DRAM).
+    /// Writes dirty pages to runs of consecutive tier slots, all runs at once. Pages that could
+    /// not be written are pushed to `failed`, and tier 1 is marked failed (eviction stops, data
+    /// stays in DRAM).
     fn write_dirty(&self, dirty: &[(usize, u32, u64)], failed: &mut Vec<(usize, u32)>) {
+        // Slots first: as many runs as it takes.
+        let mut runs: Vec<(u64, usize, usize)> = Vec::new();
         let mut k = 0;
-        let mut addrs: Vec<usize> = Vec::with_capacity(dirty.len());
-        while k < dirty.len() {
-            let run = {
-                let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
-                slots.alloc_run((dirty.len() - k) as u64, |n| self.tier.grow(n).is_ok())
-            };
-            let Some((first, n)) = run else {
-                self.warn(format!(
-                    "tier 1 is full or cannot grow ({}); keeping further pages in DRAM",
-                    self.tier.describe()
-                ));
-                self.fail_tier(&dirty[k..], failed);
-                return;
-            };
-            addrs.clear();
-            addrs.extend(
-                dirty[k..k + n as usize]
-                    .iter()
-                    .map(|&(_, s, _)| self.stage_addr(s)),
-            );
+        let mut full = false;
+        {
+            let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+            while k < dirty.len() {
+                match slots.alloc_run((dirty.len() - k) as u64, |n| self.tier.grow(n).is_ok()) {
+                    Some((first, n)) => {
+                        runs.push((first, k, n as usize));
+                        k += n as usize;
+                    }
+                    None => {
+                        full = true;
+                        break;
+                    }
+                }
+            }
+        }
+        let written = k;
+        let addrs: Vec<usize> = dirty[..written]
+            .iter()
+            .map(|&(_, s, _)| self.stage_addr(s))
+            .collect();
+        let io: Vec<(u64, &[usize])> = runs
+            .iter()
+            .map(|&(first, start, n)| (first, &addrs[start..start + n]))
+            .collect();
+        let res = if io.is_empty() {
+            Ok(())
+        } else {
             // SAFETY: every address is a mapped staging page owned by us (Writing).
-            match unsafe { self.tier.write(first, &addrs) } {
-                Ok(()) => {
-                    Counters::add(&self.counters.tier_write_bytes, n * PAGE_SIZE as u64);
-                    Counters::bump(&self.counters.tier_write_ops);
-                    let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
-                    for (j, &(p, _, h)) in dirty[k..k + n as usize].iter().enumerate() {
+            unsafe { self.tier.write_runs(&io) }
+        };
+        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        match res {
+            Ok(()) => {
+                Counters::add(
+                    &self.counters.tier_write_bytes,
+                    (written * PAGE_SIZE) as u64,
+                );
+                Counters::add(&self.counters.tier_write_ops, runs.len() as u64);
+                for &(first, start, n) in &runs {
+                    for (j, &(p, _, h)) in dirty[start..start + n].iter().enumerate() {
                         if let Some(old) = self.pt.slot(p) {
                             slots.free(old);
                         }
@@ -1373,22 +1392,29 @@ impl Engine {
                         self.pt.set_hash(p, h);
                     }
                 }
-                Err(e) => {
-                    Counters::bump(&self.counters.tier_errors);
-                    {
-                        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
-                        for j in 0..n {
-                            slots.free(first + j);
-                        }
-                    }
-                    self.warn(format!(
-                        "writing to tier 1 failed ({e}); keeping further pages in DRAM"
-                    ));
-                    self.fail_tier(&dirty[k..], failed);
-                    return;
-                }
             }
-            k += n as usize;
+            Err(e) => {
+                Counters::bump(&self.counters.tier_errors);
+                for &(first, _, n) in &runs {
+                    for j in 0..n as u64 {
+                        slots.free(first + j);
+                    }
+                }
+                drop(slots);
+                self.warn(format!(
+                    "writing to tier 1 failed ({e}); keeping further pages in DRAM"
+                ));
+                self.fail_tier(dirty, failed);
+                return;
+            }
+        }
+        drop(slots);
+        if full {
+            self.warn(format!(
+                "tier 1 is full or cannot grow ({}); keeping further pages in DRAM",
+                self.tier.describe()
+            ));
+            self.fail_tier(&dirty[written..], failed);
         }
     }
 

@@ -97,6 +97,10 @@ impl FileTier {
         })
     }
 
+    pub(super) fn raw_fd(&self) -> i32 {
+        self.fd.as_raw_fd()
+    }
+
     /// Path the file was created at (already unlinked).
     pub fn path(&self) -> &Path {
         &self.path

@@ -1,12 +1,14 @@
-//! Tier-1 backends: where evicted pages live. One trait, one file per backend (the file backend
-//! with O_DIRECT is the first). Slots are page-sized and numbered from 0; the engine's
+//! Tier-1 backends: where evicted pages live. One trait, one file per backend (the file with
+//! O_DIRECT through plain system calls, and the same file through io_uring). Slots are page-sized and numbered from 0; the engine's
 //! [`SlotMap`] decides which slots are free. Entry points: [`Backend`], [`FileTier`].
 
 mod file;
 mod slots;
+mod uring;
 
 pub use file::{FileTier, TierOpenError};
 pub use slots::SlotMap;
+pub use uring::{best, UringTier};
 
 use std::io;
 
@@ -28,6 +30,20 @@ pub trait Backend: Send + Sync {
     ///
     /// Every pointer must be a readable, page-aligned page.
     unsafe fn write(&self, slot: u64, pages: &[usize]) -> io::Result<()>;
+
+    /// Writes several runs (each: first slot, pages) — at once where the backend can overlap
+    /// them. Returns the first error; on error, which runs landed is unknown.
+    ///
+    /// # Safety
+    ///
+    /// As [`write`](Self::write), for every page.
+    unsafe fn write_runs(&self, runs: &[(u64, &[usize])]) -> io::Result<()> {
+        for (slot, pages) in runs {
+            // SAFETY: forwarded contract.
+            unsafe { self.write(*slot, pages)? };
+        }
+        Ok(())
+    }
 
     /// Makes room for `slots` slots in total (grows the backing store).
     fn grow(&self, slots: u64) -> io::Result<()>;
