@@ -1,6 +1,6 @@
 //! The `memtide` binary: parses the command line and calls into the subcommands. Thin by design;
 //! the work is in `run.rs` (start a program with tiered memory), `demo.rs` (the built-in
-//! workload, all-DRAM vs memtide), `bench.rs` (the same against Linux swap), and `workload.rs`
+//! workload, all-DRAM vs memtide), `bench.rs` (the same against Linux swap), `sim.rs` (replay under other sizes and policies), and `workload.rs`
 //! (the workload itself, a hidden subcommand the others start). Entry point: [`main`].
 
 mod bench;
@@ -8,6 +8,7 @@ mod demo;
 mod opts;
 mod preflight;
 mod run;
+mod sim;
 mod summary;
 mod workload;
 
@@ -37,6 +38,11 @@ enum Cmd {
     /// Measure memtide against all-DRAM and against Linux swap with the same DRAM budget, side
     /// by side, on the built-in workload (needs root for the Linux-swap configurations).
     Bench(bench::BenchArgs),
+    /// Replay a synthetic access profile under other DRAM sizes and policies (memtide's own,
+    /// LRU, CLOCK, LFU with aging, and Belady's optimum) and estimate the slowdown.
+    ///
+    /// Example: memtide sim --workload zipf:footprint=64GiB,skew=0.99,accesses=200M --dram 25%,50% --policy all
+    Sim(sim::SimArgs),
     /// The built-in workload (used by demo and bench).
     #[command(hide = true)]
     Workload(workload::WorkloadArgs),
@@ -51,6 +57,7 @@ fn main() -> ExitCode {
         Cmd::Run(a) => run::run(a),
         Cmd::Demo(a) => demo::demo(a),
         Cmd::Bench(a) => bench::bench(a),
+        Cmd::Sim(a) => sim::sim(a),
         Cmd::Workload(a) => workload::main(a),
     };
     match result {

@@ -51,6 +51,24 @@ pub fn seconds(s: &str) -> Result<f64, String> {
     }
 }
 
+/// Parses a latency in nanoseconds: `90us`, `100ns`, `1.5ms`, `80µs`.
+pub fn latency_ns(s: &str) -> Result<f64, String> {
+    let t = s.trim();
+    let (num, mult) = if let Some(n) = t.strip_suffix("ns") {
+        (n, 1.0)
+    } else if let Some(n) = t.strip_suffix("us").or_else(|| t.strip_suffix("µs")) {
+        (n, 1e3)
+    } else if let Some(n) = t.strip_suffix("ms") {
+        (n, 1e6)
+    } else {
+        return Err(format!("`{s}` is not a latency: write 90us, 100ns or 1ms"));
+    };
+    match num.trim().parse::<f64>() {
+        Ok(v) if v >= 0.0 && v.is_finite() => Ok(v * mult),
+        _ => Err(format!("`{s}` is not a latency: write 90us, 100ns or 1ms")),
+    }
+}
+
 /// Parses a duration that may be zero.
 pub fn seconds_or_zero(s: &str) -> Result<f64, String> {
     if s.trim().trim_end_matches('s').trim().parse::<f64>() == Ok(0.0) {

@@ -1,0 +1,193 @@
+//! `memtide sim`: replays a synthetic access profile under several DRAM sizes and policies on
+//! all cores, prints misses (and their ratio to Belady's optimum) and an estimated slowdown, and
+//! writes JSON for scripts. Entry point: [`sim`].
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use memtide_engine::size;
+use memtide_sim::{simulate, Job, Latency, Spec, ALL_POLICIES};
+
+use crate::opts;
+
+#[derive(Args, Debug)]
+pub struct SimArgs {
+    /// The access profile: KIND:key=value,... with KIND uniform, zipf (skew), hotcold (hot,
+    /// share), scan (hot, share), phases (hot, share, phases); keys footprint, accesses, writes,
+    /// seed. Example: zipf:footprint=64GiB,skew=0.99,accesses=200M
+    #[arg(long)]
+    pub workload: String,
+    /// DRAM sizes to try: percentages of the footprint or sizes, comma-separated (25%,50%,4GiB).
+    #[arg(long, value_delimiter = ',', default_value = "25%,50%,75%")]
+    pub dram: Vec<String>,
+    /// Policies, comma-separated, or `all`: memtide, lru, clock, lfu, opt.
+    #[arg(long, value_delimiter = ',', default_value = "all")]
+    pub policy: Vec<String>,
+    /// Cost of an access from DRAM, including the program's own work per access.
+    #[arg(long, value_parser = opts::latency_ns, default_value = "100ns")]
+    pub dram_latency: f64,
+    /// Cost of a tier-1 miss (fault + read + map).
+    #[arg(long, value_parser = opts::latency_ns, default_value = "80us")]
+    pub tier_latency: f64,
+    /// Cost of a soft fault on memtide's inactive list.
+    #[arg(long, value_parser = opts::latency_ns, default_value = "6us")]
+    pub soft_latency: f64,
+    /// Also write the results as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+fn parse_dram(s: &str, pages: u64) -> Result<u64> {
+    let t = s.trim();
+    let bytes = if let Some(p) = t.strip_suffix('%') {
+        let pct: f64 = p
+            .trim()
+            .parse()
+            .ok()
+            .filter(|v: &f64| *v > 0.0 && v.is_finite())
+            .with_context(|| format!("--dram {s}: not a percentage"))?;
+        if pct > 100.0 {
+            bail!("--dram {s} is larger than the footprint");
+        }
+        return Ok(((pages as f64 * pct / 100.0) as u64).max(1));
+    } else {
+        size::parse(t).map_err(|e| anyhow::anyhow!("--dram: {e}"))?
+    };
+    let p = bytes / 4096;
+    if p == 0 {
+        bail!("--dram {s} is less than one page");
+    }
+    if p > pages {
+        bail!(
+            "--dram {s} is larger than the footprint ({})",
+            size::format(pages * 4096)
+        );
+    }
+    Ok(p)
+}
+
+pub fn sim(a: SimArgs) -> Result<ExitCode> {
+    let spec = Spec::parse(&a.workload, 4096, |v| size::parse(v).ok())
+        .map_err(|e| anyhow::anyhow!("--workload: {e}"))?;
+    let sizes: Vec<u64> = a
+        .dram
+        .iter()
+        .map(|d| parse_dram(d, spec.pages))
+        .collect::<Result<_>>()?;
+    let mut policies: Vec<String> = Vec::new();
+    for p in &a.policy {
+        if p == "all" {
+            policies.extend(ALL_POLICIES.iter().map(|s| s.to_string()));
+        } else if ALL_POLICIES.contains(&p.as_str()) {
+            policies.push(p.clone());
+        } else {
+            bail!("--policy: unknown policy `{p}`: choose from memtide, lru, clock, lfu, opt, all");
+        }
+    }
+    policies.dedup();
+    if spec.pages > u32::MAX as u64 {
+        bail!("--workload: the footprint is larger than 16 TiB, the simulator's limit");
+    }
+    let lat = Latency {
+        dram_ns: a.dram_latency.max(1e-3),
+        tier_ns: a.tier_latency,
+        soft_ns: a.soft_latency,
+    };
+    let jobs: Vec<Job> = sizes
+        .iter()
+        .flat_map(|&d| {
+            policies.iter().map(move |p| Job {
+                policy: p.clone(),
+                dram_pages: d,
+            })
+        })
+        .collect();
+    eprintln!("memtide sim: {spec}");
+    let tty = std::io::stderr().is_terminal();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let start = std::time::Instant::now();
+    let out = simulate(&spec, &jobs, &lat, threads, &|done, total| {
+        if tty {
+            let w = 30;
+            let filled = done * w / total.max(1);
+            eprint!(
+                "\r[{}{}] {done}/{total} replays",
+                "#".repeat(filled),
+                " ".repeat(w - filled)
+            );
+            let _ = std::io::stderr().flush();
+        }
+    })?;
+    let secs = start.elapsed().as_secs_f64();
+    if tty {
+        eprintln!();
+    }
+    println!(
+        "{:<10} {:<8} {:>12} {:>9} {:>8} {:>11} {:>11} {:>9} {:>7}",
+        "DRAM",
+        "policy",
+        "misses",
+        "miss %",
+        "vs OPT",
+        "soft faults",
+        "writebacks",
+        "slowdown",
+        "loss"
+    );
+    let mut rows = Vec::new();
+    for &d in &sizes {
+        let opt = out
+            .iter()
+            .find(|o| o.policy == "opt" && o.dram_pages == d.min(spec.pages))
+            .map(|o| o.misses);
+        for o in out.iter().filter(|o| o.dram_pages == d.min(spec.pages)) {
+            let vs_opt = opt.map(|m| match (m, o.misses) {
+                (0, 0) => 1.0,
+                (0, _) => f64::INFINITY,
+                (m, x) => x as f64 / m as f64,
+            });
+            let slow = o.slowdown(&lat);
+            println!(
+                "{:<10} {:<8} {:>12} {:>8.3}% {:>8} {:>11} {:>11} {:>8.2}x {:>6.1}%",
+                size::format(d * 4096),
+                o.policy,
+                o.misses,
+                o.miss_ratio() * 100.0,
+                vs_opt.map_or("-".into(), |v| format!("{v:.2}x")),
+                o.soft_faults,
+                o.writebacks,
+                slow,
+                (1.0 - 1.0 / slow) * 100.0
+            );
+            rows.push(serde_json::json!({
+                "dram_bytes": d * 4096,
+                "dram_fraction": d as f64 / spec.pages as f64,
+                "outcome": o,
+                "misses_vs_opt": vs_opt,
+                "slowdown": slow,
+            }));
+        }
+    }
+    let total: u64 = out.iter().map(|o| o.accesses).sum();
+    eprintln!(
+        "{} replays, {:.0} M simulated accesses in {secs:.1} s ({:.1} M/s on {threads} threads)",
+        out.len(),
+        total as f64 / 1e6,
+        total as f64 / secs / 1e6
+    );
+    if let Some(p) = &a.json {
+        let json = serde_json::json!({
+            "workload": a.workload,
+            "pages": spec.pages,
+            "accesses": spec.accesses,
+            "latency": lat,
+            "results": rows,
+        });
+        std::fs::write(p, serde_json::to_vec_pretty(&json)?)
+            .with_context(|| format!("cannot write {}", p.display()))?;
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,86 @@
+//! `memtide sim` end to end: bad specs and sizes are one-line errors; a real replay writes JSON
+//! in which Belady's OPT misses least and every policy saw the same accesses.
+
+mod common;
+
+use common::{memtide, stderr, Scratch};
+
+fn fails_with(args: &[&str], needle: &str) {
+    let o = memtide().args(args).output().unwrap();
+    let err = stderr(&o);
+    assert!(!o.status.success(), "{args:?} should fail");
+    assert!(
+        err.contains(needle),
+        "{args:?}: expected {needle:?} in {err:?}"
+    );
+    assert!(err.trim().lines().count() <= 3, "{err}");
+}
+
+#[test]
+fn bad_input_is_one_line() {
+    fails_with(
+        &["sim", "--workload", "zipfy:skew=1"],
+        "unknown workload kind",
+    );
+    fails_with(&["sim", "--workload", "zipf:skew=-2"], "bad value");
+    fails_with(
+        &[
+            "sim",
+            "--workload",
+            "uniform:footprint=1GiB",
+            "--dram",
+            "2GiB",
+        ],
+        "larger than the footprint",
+    );
+    fails_with(
+        &["sim", "--workload", "uniform", "--dram", "150%"],
+        "larger than the footprint",
+    );
+    fails_with(
+        &["sim", "--workload", "uniform", "--policy", "fifo"],
+        "unknown policy",
+    );
+}
+
+#[test]
+fn replay_writes_json_with_opt_lowest() {
+    let s = Scratch::new("sim");
+    let json = s.path().join("sim.json");
+    let o = memtide()
+        .args([
+            "sim",
+            "--workload",
+            "hotcold:footprint=256MiB,hot=10%,share=95%,accesses=2M",
+            "--dram",
+            "25%,50%",
+            "--policy",
+            "all",
+            "--json",
+        ])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let rows = v["results"].as_array().unwrap();
+    assert_eq!(rows.len(), 10);
+    for frac in [0.25, 0.5] {
+        let at: Vec<_> = rows
+            .iter()
+            .filter(|r| (r["dram_fraction"].as_f64().unwrap() - frac).abs() < 1e-6)
+            .collect();
+        let misses = |p: &str| {
+            at.iter().find(|r| r["outcome"]["policy"] == p).unwrap()["outcome"]["misses"]
+                .as_u64()
+                .unwrap()
+        };
+        for p in ["memtide", "lru", "clock", "lfu"] {
+            assert!(misses("opt") <= misses(p), "{p} at {frac}");
+            assert!(misses(p) > 0, "{p} at {frac} should miss");
+        }
+        for r in &at {
+            assert_eq!(r["outcome"]["accesses"].as_u64(), Some(2_000_000));
+        }
+    }
+}

@@ -1,0 +1,585 @@
+//! Replacement policies replayed over an access stream at a given DRAM size: memtide's own
+//! (driven by the `memtide-policy` crate, the same code the engine runs), LRU, CLOCK,
+//! LFU-with-aging (GCLOCK: a per-page counter bumped on access and aged by the sweeping hand),
+//! and Belady's offline OPT. All count the same things in an [`Outcome`]. Entry points:
+//! [`Policy`], [`by_name`], [`opt`].
+//!
+//! A page's first access is a *first touch* (it reads as zeros: no tier-1 read) and not a
+//! miss; a miss is an access to a page that was touched before and is not in DRAM.
+
+use std::collections::BinaryHeap;
+
+use memtide_policy::{Activeness, EpochClock, Sweep, Watermarks};
+use serde::Serialize;
+
+/// What a replay counted.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct Outcome {
+    pub policy: String,
+    pub dram_pages: u64,
+    pub accesses: u64,
+    pub first_touches: u64,
+    /// Accesses served from tier 1.
+    pub misses: u64,
+    /// Accesses to pages in memtide's inactive list (DRAM, but a fault).
+    pub soft_faults: u64,
+    /// Pages moved out of DRAM.
+    pub demotions: u64,
+    /// Demotions that had to write (the page was written since it was last in tier 1).
+    pub writebacks: u64,
+}
+
+/// A replacement policy at a fixed DRAM size.
+pub trait Policy: Send {
+    fn name(&self) -> &'static str;
+    fn access(&mut self, page: u64, write: bool, o: &mut Outcome);
+}
+
+const NEVER: u8 = 0;
+const IN_DRAM: u8 = 1;
+const OUT: u8 = 2;
+const DIRTY: u8 = 4;
+
+/// LRU with an intrusive doubly linked list: 9 bytes per page.
+pub struct Lru {
+    cap: u64,
+    len: u64,
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    state: Vec<u8>,
+    head: u32,
+    tail: u32,
+}
+
+const NIL: u32 = u32::MAX;
+
+impl Lru {
+    pub fn new(pages: u64, cap: u64) -> Lru {
+        Lru {
+            cap: cap.max(1),
+            len: 0,
+            prev: vec![NIL; pages as usize],
+            next: vec![NIL; pages as usize],
+            state: vec![NEVER; pages as usize],
+            head: NIL,
+            tail: NIL,
+        }
+    }
+    fn unlink(&mut self, p: u32) {
+        let (a, b) = (self.prev[p as usize], self.next[p as usize]);
+        if a == NIL {
+            self.head = b;
+        } else {
+            self.next[a as usize] = b;
+        }
+        if b == NIL {
+            self.tail = a;
+        } else {
+            self.prev[b as usize] = a;
+        }
+    }
+    fn push_front(&mut self, p: u32) {
+        self.prev[p as usize] = NIL;
+        self.next[p as usize] = self.head;
+        if self.head != NIL {
+            self.prev[self.head as usize] = p;
+        }
+        self.head = p;
+        if self.tail == NIL {
+            self.tail = p;
+        }
+    }
+}
+
+impl Policy for Lru {
+    fn name(&self) -> &'static str {
+        "lru"
+    }
+    fn access(&mut self, page: u64, write: bool, o: &mut Outcome) {
+        let p = page as u32;
+        let st = self.state[p as usize];
+        if st & 3 == IN_DRAM {
+            self.unlink(p);
+            self.push_front(p);
+        } else {
+            if st & 3 == NEVER {
+                o.first_touches += 1;
+            } else {
+                o.misses += 1;
+            }
+            if self.len == self.cap {
+                let v = self.tail;
+                self.unlink(v);
+                o.demotions += 1;
+                if self.state[v as usize] & DIRTY != 0 {
+                    o.writebacks += 1;
+                }
+                self.state[v as usize] = OUT;
+                self.len -= 1;
+            }
+            self.push_front(p);
+            self.state[p as usize] = IN_DRAM | (st & DIRTY);
+            self.len += 1;
+        }
+        if write {
+            self.state[p as usize] |= DIRTY;
+        }
+    }
+}
+
+/// CLOCK (second chance), or with `counters` GCLOCK as LFU-with-aging: 5 bytes per page plus
+/// 5 bytes per DRAM frame.
+pub struct Clock {
+    frames: Vec<u32>,
+    weight: Vec<u8>,
+    frame_of: Vec<u32>,
+    state: Vec<u8>,
+    hand: usize,
+    used: usize,
+    lfu: bool,
+}
+
+impl Clock {
+    pub fn new(pages: u64, cap: u64, lfu: bool) -> Clock {
+        let cap = cap.max(1) as usize;
+        Clock {
+            frames: vec![NIL; cap],
+            weight: vec![0; cap],
+            frame_of: vec![NIL; pages as usize],
+            state: vec![NEVER; pages as usize],
+            hand: 0,
+            used: 0,
+            lfu,
+        }
+    }
+}
+
+impl Policy for Clock {
+    fn name(&self) -> &'static str {
+        if self.lfu {
+            "lfu"
+        } else {
+            "clock"
+        }
+    }
+    fn access(&mut self, page: u64, write: bool, o: &mut Outcome) {
+        let p = page as usize;
+        let st = self.state[p];
+        if st & 3 == IN_DRAM {
+            let f = self.frame_of[p] as usize;
+            self.weight[f] = if self.lfu {
+                self.weight[f].saturating_add(1)
+            } else {
+                1
+            };
+        } else {
+            if st & 3 == NEVER {
+                o.first_touches += 1;
+            } else {
+                o.misses += 1;
+            }
+            let f = if self.used < self.frames.len() {
+                self.used += 1;
+                self.used - 1
+            } else {
+                loop {
+                    let h = self.hand;
+                    self.hand = (self.hand + 1) % self.frames.len();
+                    if self.weight[h] == 0 {
+                        let v = self.frames[h] as usize;
+                        o.demotions += 1;
+                        if self.state[v] & DIRTY != 0 {
+                            o.writebacks += 1;
+                        }
+                        self.state[v] = OUT;
+                        self.frame_of[v] = NIL;
+                        break h;
+                    }
+                    // Second chance; GCLOCK ages the count by halving.
+                    self.weight[h] = if self.lfu { self.weight[h] / 2 } else { 0 };
+                }
+            };
+            self.frames[f] = p as u32;
+            self.frame_of[p] = f as u32;
+            self.weight[f] = 1;
+            self.state[p] = IN_DRAM | (st & DIRTY);
+        }
+        if write {
+            self.state[p] |= DIRTY;
+        }
+    }
+}
+
+/// memtide's policy as the engine runs it: pages faulted in are mapped and invisible until the
+/// CLOCK sweep (the policy crate's [`Sweep`] over [`Activeness`] histories) unmaps the idlest
+/// into an inactive FIFO; touching an inactive page is a soft fault that promotes it; the FIFO's
+/// oldest pages go to tier 1 when DRAM passes the [`Watermarks`]. Epochs come from the policy
+/// crate's [`EpochClock`] on simulated time: each access costs `access_ns`, each miss
+/// `miss_ns` more.
+pub struct Memtide {
+    state: Vec<u8>,
+    hist: Vec<Activeness>,
+    /// Inactive FIFO of pages (stale entries skipped: their state says so).
+    fifo: std::collections::VecDeque<u32>,
+    staged: u64,
+    resident: u64,
+    wm: Watermarks,
+    sweep: Sweep,
+    hand: usize,
+    clock: EpochClock,
+    now_ns: u64,
+    access_ns: u64,
+    miss_ns: u64,
+    touched_max: usize,
+}
+
+const STAGED: u8 = 3;
+
+impl Memtide {
+    pub fn new(pages: u64, cap: u64, access_ns: u64, miss_ns: u64, epoch_ns: u64) -> Memtide {
+        Memtide {
+            state: vec![NEVER; pages as usize],
+            hist: vec![Activeness(0); pages as usize],
+            fifo: Default::default(),
+            staged: 0,
+            resident: 0,
+            wm: Watermarks::for_quota(cap.max(16)),
+            sweep: Sweep::default(),
+            hand: 0,
+            clock: EpochClock::new(epoch_ns),
+            now_ns: 0,
+            access_ns,
+            miss_ns,
+            touched_max: 0,
+        }
+    }
+
+    fn age_all(&mut self) {
+        for i in 0..self.touched_max {
+            if self.state[i] & 3 != NEVER {
+                self.hist[i] = self.hist[i].age();
+            }
+        }
+    }
+
+    fn deactivate(&mut self, want: u64) {
+        let n = self.touched_max;
+        let mut found = 0;
+        let mut scanned = 0;
+        while found < want && scanned < n * (Sweep::MAX_IDLE as usize + 1) {
+            if self.hand >= n {
+                self.hand = 0;
+                self.sweep.end_pass(want);
+            }
+            let i = self.hand;
+            self.hand += 1;
+            scanned += 1;
+            if self.state[i] & 3 == IN_DRAM && self.sweep.take(self.hist[i]) {
+                self.state[i] = (self.state[i] & DIRTY) | STAGED;
+                self.fifo.push_back(i as u32);
+                self.staged += 1;
+                found += 1;
+            }
+        }
+    }
+
+    fn relieve(&mut self, o: &mut Outcome) {
+        if !self.wm.over_high(self.resident) {
+            return;
+        }
+        while !self.wm.under_low(self.resident) {
+            if self.staged < self.wm.inactive_target {
+                self.deactivate(self.wm.inactive_target - self.staged);
+            }
+            let mut moved = 0;
+            while moved < self.wm.batch {
+                let Some(p) = self.fifo.pop_front() else {
+                    break;
+                };
+                let p = p as usize;
+                if self.state[p] & 3 != STAGED {
+                    continue;
+                }
+                o.demotions += 1;
+                if self.state[p] & DIRTY != 0 {
+                    o.writebacks += 1;
+                }
+                self.state[p] = OUT;
+                self.staged -= 1;
+                self.resident -= 1;
+                moved += 1;
+            }
+            if moved == 0 {
+                break;
+            }
+        }
+    }
+}
+
+impl Policy for Memtide {
+    fn name(&self) -> &'static str {
+        "memtide"
+    }
+    fn access(&mut self, page: u64, write: bool, o: &mut Outcome) {
+        let p = page as usize;
+        self.now_ns += self.access_ns;
+        if self.clock.tick(self.now_ns) {
+            self.age_all();
+        }
+        let st = self.state[p];
+        match st & 3 {
+            IN_DRAM => {}
+            STAGED => {
+                o.soft_faults += 1;
+                self.state[p] = IN_DRAM | (st & DIRTY);
+                self.staged -= 1;
+                self.hist[p] = self.hist[p].touch();
+            }
+            s => {
+                if s == NEVER {
+                    o.first_touches += 1;
+                    self.touched_max = self.touched_max.max(p + 1);
+                } else {
+                    o.misses += 1;
+                    self.now_ns += self.miss_ns;
+                }
+                self.state[p] = IN_DRAM;
+                self.hist[p] = self.hist[p].touch();
+                self.resident += 1;
+                self.relieve(o);
+            }
+        }
+        if write {
+            self.state[p] |= DIRTY;
+        }
+    }
+}
+
+/// The policy of that name at `cap` pages of DRAM over `pages` pages.
+pub fn by_name(name: &str, pages: u64, cap: u64, lat: &Latency) -> Option<Box<dyn Policy>> {
+    Some(match name {
+        "lru" => Box::new(Lru::new(pages, cap)),
+        "clock" => Box::new(Clock::new(pages, cap, false)),
+        "lfu" => Box::new(Clock::new(pages, cap, true)),
+        "memtide" => Box::new(Memtide::new(
+            pages,
+            cap,
+            lat.dram_ns.max(1.0) as u64,
+            lat.tier_ns as u64,
+            200_000_000,
+        )),
+        _ => return None,
+    })
+}
+
+/// Latencies for the slowdown estimate.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Latency {
+    /// Cost of an access served from DRAM (including the program's work per access).
+    pub dram_ns: f64,
+    /// Cost of a tier-1 miss.
+    pub tier_ns: f64,
+    /// Cost of a soft (inactive-list) fault.
+    pub soft_ns: f64,
+}
+
+impl Outcome {
+    /// Estimated run time relative to all-DRAM.
+    pub fn slowdown(&self, lat: &Latency) -> f64 {
+        let base = self.accesses as f64 * lat.dram_ns;
+        if base == 0.0 {
+            return 1.0;
+        }
+        (base + self.misses as f64 * lat.tier_ns + self.soft_faults as f64 * lat.soft_ns) / base
+    }
+
+    pub fn miss_ratio(&self) -> f64 {
+        self.misses as f64 / self.accesses.max(1) as f64
+    }
+}
+
+/// Belady's OPT over a stored trace: on a miss with DRAM full, evict the resident page whose
+/// next use is farthest away. O(n log n) with a max-heap of next uses (stale entries skipped).
+/// Only accesses from index `count_from` on are counted (the ones before warm DRAM up).
+pub fn opt(trace: &[(u32, bool)], pages: u64, cap: u64, count_from: usize) -> Outcome {
+    let n = trace.len();
+    // next_use[i]: index of the next access to the same page after i, or usize::MAX.
+    let mut next_use = vec![usize::MAX; n];
+    let mut last = vec![usize::MAX; pages as usize];
+    for i in (0..n).rev() {
+        let p = trace[i].0 as usize;
+        next_use[i] = last[p];
+        last[p] = i;
+    }
+    drop(last);
+    let mut o = Outcome {
+        policy: "opt".into(),
+        dram_pages: cap,
+        ..Outcome::default()
+    };
+    let mut warm = Outcome::default();
+    let mut state = vec![NEVER; pages as usize];
+    // The next use currently recorded for each resident page (to spot stale heap entries).
+    let mut cur_next = vec![usize::MAX; pages as usize];
+    let mut heap: BinaryHeap<(usize, u32)> = BinaryHeap::new();
+    let mut resident = 0u64;
+    let cap = cap.max(1);
+    for (i, &(p, write)) in trace.iter().enumerate() {
+        let o = if i < count_from {
+            &mut warm
+        } else {
+            o.accesses += 1;
+            &mut o
+        };
+        let pi = p as usize;
+        let st = state[pi];
+        if st & 3 != IN_DRAM {
+            if st & 3 == NEVER {
+                o.first_touches += 1;
+            } else {
+                o.misses += 1;
+            }
+            if resident == cap {
+                loop {
+                    let (nu, v) = heap.pop().expect("a resident page to evict");
+                    let vi = v as usize;
+                    if state[vi] & 3 == IN_DRAM && cur_next[vi] == nu {
+                        o.demotions += 1;
+                        if state[vi] & DIRTY != 0 {
+                            o.writebacks += 1;
+                        }
+                        state[vi] = OUT;
+                        resident -= 1;
+                        break;
+                    }
+                }
+            }
+            state[pi] = IN_DRAM | (st & DIRTY);
+            resident += 1;
+        }
+        if write {
+            state[pi] |= DIRTY;
+        }
+        cur_next[pi] = next_use[i];
+        heap.push((next_use[i], p));
+        // Keep the heap from growing without bound on long traces.
+        if heap.len() > 4 * cap as usize + 1024 {
+            heap.retain(|&(nu, v)| state[v as usize] & 3 == IN_DRAM && cur_next[v as usize] == nu);
+        }
+    }
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::workload::Rng;
+    use proptest::prelude::*;
+
+    fn replay(p: &mut dyn Policy, trace: &[(u32, bool)]) -> Outcome {
+        let mut o = Outcome::default();
+        for &(pg, w) in trace {
+            o.accesses += 1;
+            p.access(pg as u64, w, &mut o);
+        }
+        o
+    }
+
+    /// A naive LRU: a vector ordered by recency.
+    fn naive_lru(trace: &[(u32, bool)], cap: usize) -> (u64, u64) {
+        let mut order: Vec<u32> = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        let (mut misses, mut first) = (0, 0);
+        for &(p, _) in trace {
+            if let Some(i) = order.iter().position(|&x| x == p) {
+                order.remove(i);
+            } else {
+                if seen.insert(p) {
+                    first += 1;
+                } else {
+                    misses += 1;
+                }
+                if order.len() == cap {
+                    order.pop();
+                }
+            }
+            order.insert(0, p);
+        }
+        (misses, first)
+    }
+
+    fn trace_strategy() -> impl Strategy<Value = (Vec<(u32, bool)>, u64, u64)> {
+        (2u64..40, 1u64..20, 1usize..400, any::<u64>()).prop_map(|(pages, cap, len, seed)| {
+            let mut r = Rng::new(seed);
+            let t = (0..len)
+                .map(|_| {
+                    // Some skew, so that policies differ.
+                    let p = if r.unit() < 0.6 {
+                        r.below(pages.min(5))
+                    } else {
+                        r.below(pages)
+                    };
+                    (p as u32, r.unit() < 0.3)
+                })
+                .collect();
+            (t, pages, cap)
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn lru_matches_naive_reference((trace, pages, cap) in trace_strategy()) {
+            let o = replay(&mut Lru::new(pages, cap), &trace);
+            let (misses, first) = naive_lru(&trace, cap as usize);
+            prop_assert_eq!(o.misses, misses);
+            prop_assert_eq!(o.first_touches, first);
+        }
+
+        #[test]
+        fn opt_never_misses_more_than_any_policy((trace, pages, cap) in trace_strategy()) {
+            let best = opt(&trace, pages, cap, 0).misses;
+            let lat = Latency { dram_ns: 100.0, tier_ns: 80_000.0, soft_ns: 6_000.0 };
+            for name in ["lru", "clock", "lfu"] {
+                let o = replay(by_name(name, pages, cap, &lat).unwrap().as_mut(), &trace);
+                prop_assert!(best <= o.misses, "opt {} > {} {}", best, name, o.misses);
+            }
+        }
+    }
+
+    #[test]
+    fn memtide_keeps_a_hot_set_that_fits() {
+        // 1000 pages, DRAM for 400, a hot set of 100 pages taking 95% of accesses.
+        let lat = Latency {
+            dram_ns: 100.0,
+            tier_ns: 80_000.0,
+            soft_ns: 6_000.0,
+        };
+        let mut r = Rng::new(7);
+        let trace: Vec<(u32, bool)> = (0..400_000)
+            .map(|_| {
+                let p = if r.unit() < 0.95 {
+                    r.below(100) * 10
+                } else {
+                    r.below(1000)
+                };
+                (p as u32, false)
+            })
+            .collect();
+        let mut m = Memtide::new(1000, 400, 100, 80_000, 1_000_000);
+        let o = replay(&mut m, &trace);
+        let best = opt(&trace, 1000, 400, 0);
+        // Cold accesses (5%) miss with probability about 1 - 300/900; the hot set stays.
+        assert!(
+            o.miss_ratio() < 0.05,
+            "memtide miss ratio {}",
+            o.miss_ratio()
+        );
+        assert!(
+            o.misses as f64 <= best.misses as f64 * 3.0,
+            "{} vs opt {}",
+            o.misses,
+            best.misses
+        );
+        assert!(o.slowdown(&lat) > 1.0);
+    }
+}
