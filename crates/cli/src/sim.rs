@@ -9,7 +9,8 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use memtide_engine::size;
-use memtide_sim::{simulate, Job, Latency, Spec, ALL_POLICIES};
+use memtide_sim::trace::{Record, Writer};
+use memtide_sim::{simulate, Job, Latency, Source, Spec, Trace, ALL_POLICIES};
 
 use crate::opts;
 
@@ -18,8 +19,14 @@ pub struct SimArgs {
     /// The access profile: KIND:key=value,... with KIND uniform, zipf (skew), hotcold (hot,
     /// share), scan (hot, share), phases (hot, share, phases); keys footprint, accesses, writes,
     /// seed. Example: zipf:footprint=64GiB,skew=0.99,accesses=200M
+    #[arg(long, required_unless_present = "trace", conflicts_with = "trace")]
+    pub workload: Option<String>,
+    /// Replay a recorded trace (.mtt) instead of a synthetic workload.
     #[arg(long)]
-    pub workload: String,
+    pub trace: Option<PathBuf>,
+    /// Write the synthetic workload's accesses as a trace (.mtt) to this file.
+    #[arg(long, requires = "workload")]
+    pub save_trace: Option<PathBuf>,
     /// DRAM sizes to try: percentages of the footprint or sizes, comma-separated (25%,50%,4GiB).
     #[arg(long, value_delimiter = ',', default_value = "25%,50%,75%")]
     pub dram: Vec<String>,
@@ -70,12 +77,50 @@ fn parse_dram(s: &str, pages: u64) -> Result<u64> {
 }
 
 pub fn sim(a: SimArgs) -> Result<ExitCode> {
-    let spec = Spec::parse(&a.workload, 4096, |v| size::parse(v).ok())
-        .map_err(|e| anyhow::anyhow!("--workload: {e}"))?;
+    let (spec, label) = match (&a.workload, &a.trace) {
+        (Some(w), _) => {
+            let s = Spec::parse(w, 4096, |v| size::parse(v).ok())
+                .map_err(|e| anyhow::anyhow!("--workload: {e}"))?;
+            let label = s.to_string();
+            (Source::Spec(s), label)
+        }
+        (None, Some(p)) => {
+            let data =
+                std::fs::read(p).with_context(|| format!("cannot read trace {}", p.display()))?;
+            let t = Trace::parse(data).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
+            let label = format!(
+                "trace {}: {} records, {} tenants, {} pages",
+                p.display(),
+                t.records,
+                t.tenant_pages.len(),
+                t.tenant_pages.iter().sum::<u64>()
+            );
+            (Source::Trace(t), label)
+        }
+        (None, None) => bail!("give --workload or --trace"),
+    };
+    let pages = spec.pages();
+    if pages == 0 {
+        bail!("the trace touches no pages");
+    }
+    if let (Some(path), Source::Spec(s)) = (&a.save_trace, &spec) {
+        let f = std::fs::File::create(path)
+            .with_context(|| format!("cannot create {}", path.display()))?;
+        let mut w = Writer::new(std::io::BufWriter::new(f), 4096)?;
+        for (i, (page, write)) in s.generator().enumerate() {
+            w.record(Record {
+                time_ns: i as u64 * 100,
+                tenant: 0,
+                page,
+                write,
+            })?;
+        }
+        w.finish()?;
+    }
     let sizes: Vec<u64> = a
         .dram
         .iter()
-        .map(|d| parse_dram(d, spec.pages))
+        .map(|d| parse_dram(d, pages))
         .collect::<Result<_>>()?;
     let mut policies: Vec<String> = Vec::new();
     for p in &a.policy {
@@ -88,8 +133,8 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
         }
     }
     policies.dedup();
-    if spec.pages > u32::MAX as u64 {
-        bail!("--workload: the footprint is larger than 16 TiB, the simulator's limit");
+    if pages > u32::MAX as u64 {
+        bail!("the footprint is larger than 16 TiB, the simulator's limit");
     }
     let lat = Latency {
         dram_ns: a.dram_latency.max(1e-3),
@@ -105,7 +150,7 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
             })
         })
         .collect();
-    eprintln!("memtide sim: {spec}");
+    eprintln!("memtide sim: {label}");
     let tty = std::io::stderr().is_terminal();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let start = std::time::Instant::now();
@@ -141,9 +186,9 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
     for &d in &sizes {
         let opt = out
             .iter()
-            .find(|o| o.policy == "opt" && o.dram_pages == d.min(spec.pages))
+            .find(|o| o.policy == "opt" && o.dram_pages == d.min(pages))
             .map(|o| o.misses);
-        for o in out.iter().filter(|o| o.dram_pages == d.min(spec.pages)) {
+        for o in out.iter().filter(|o| o.dram_pages == d.min(pages)) {
             let vs_opt = opt.map(|m| match (m, o.misses) {
                 (0, 0) => 1.0,
                 (0, _) => f64::INFINITY,
@@ -164,7 +209,7 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
             );
             rows.push(serde_json::json!({
                 "dram_bytes": d * 4096,
-                "dram_fraction": d as f64 / spec.pages as f64,
+                "dram_fraction": d as f64 / pages as f64,
                 "outcome": o,
                 "misses_vs_opt": vs_opt,
                 "slowdown": slow,
@@ -180,9 +225,8 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
     );
     if let Some(p) = &a.json {
         let json = serde_json::json!({
-            "workload": a.workload,
-            "pages": spec.pages,
-            "accesses": spec.accesses,
+            "workload": label,
+            "pages": pages,
             "latency": lat,
             "results": rows,
         });

@@ -84,3 +84,43 @@ fn replay_writes_json_with_opt_lowest() {
         }
     }
 }
+
+#[test]
+fn saved_trace_replays_the_same_and_damage_is_reported() {
+    let s = Scratch::new("simtrace");
+    let trace = s.path().join("w.mtt");
+    let spec = "zipf:footprint=64MiB,skew=0.9,accesses=300K,fill=no";
+    let run = |args: &[&str], json: &std::path::Path| -> serde_json::Value {
+        let o = memtide()
+            .args(["sim", "--dram", "25%", "--policy", "lru,memtide"])
+            .args(args)
+            .arg("--json")
+            .arg(json)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_slice(&std::fs::read(json).unwrap()).unwrap()
+    };
+    let a = run(
+        &["--workload", spec, "--save-trace", trace.to_str().unwrap()],
+        &s.path().join("a.json"),
+    );
+    let b = run(
+        &["--trace", trace.to_str().unwrap()],
+        &s.path().join("b.json"),
+    );
+    for i in 0..2 {
+        assert_eq!(
+            a["results"][i]["outcome"]["misses"],
+            b["results"][i]["outcome"]["misses"]
+        );
+        assert!(a["results"][i]["outcome"]["misses"].as_u64().unwrap() > 0);
+    }
+    let bytes = std::fs::read(&trace).unwrap();
+    std::fs::write(&trace, &bytes[..bytes.len() / 2]).unwrap();
+    fails_with(&["sim", "--trace", trace.to_str().unwrap()], "truncated");
+    let mut bad = bytes.clone();
+    bad[100] ^= 0x10;
+    std::fs::write(&trace, &bad).unwrap();
+    fails_with(&["sim", "--trace", trace.to_str().unwrap()], "corrupted");
+}

@@ -4,10 +4,58 @@
 #![forbid(unsafe_code)]
 
 pub mod policies;
+pub mod trace;
 pub mod workload;
 
 pub use policies::{Latency, Outcome};
+pub use trace::{Trace, TraceError};
 pub use workload::{Spec, SpecError};
+
+/// What to replay: a synthetic workload or a recorded trace.
+pub enum Source {
+    Spec(Spec),
+    /// A trace; each tenant's pages are laid out after the previous tenant's.
+    Trace(Trace),
+}
+
+impl Source {
+    /// Pages in the replayed address space.
+    pub fn pages(&self) -> u64 {
+        match self {
+            Source::Spec(s) => s.pages,
+            Source::Trace(t) => t.tenant_pages.iter().sum(),
+        }
+    }
+
+    fn fill(&self) -> u64 {
+        match self {
+            Source::Spec(s) if s.fill => s.pages,
+            _ => 0,
+        }
+    }
+
+    /// The accesses, as `(page, write)`.
+    pub fn stream(&self) -> Box<dyn Iterator<Item = (u64, bool)> + '_> {
+        match self {
+            Source::Spec(s) => Box::new(s.generator()),
+            Source::Trace(t) => {
+                let base: Vec<u64> = t
+                    .tenant_pages
+                    .iter()
+                    .scan(0, |acc, &n| {
+                        let b = *acc;
+                        *acc += n;
+                        Some(b)
+                    })
+                    .collect();
+                Box::new(
+                    t.records()
+                        .map(move |r| (base[r.tenant as usize] + r.page, r.write)),
+                )
+            }
+        }
+    }
+}
 
 /// The policies `--policy all` means.
 pub const ALL_POLICIES: [&str; 5] = ["memtide", "lru", "clock", "lfu", "opt"];
@@ -31,14 +79,14 @@ pub struct Job {
 /// Runs every job over the workload, `threads` at a time (each job regenerates the same
 /// deterministic stream; OPT stores it). `progress` is called as jobs finish.
 pub fn simulate(
-    spec: &Spec,
+    spec: &Source,
     jobs: &[Job],
     lat: &Latency,
     threads: usize,
     progress: &(dyn Fn(usize, usize) + Sync),
 ) -> Result<Vec<Outcome>, SimError> {
-    if spec.pages > u32::MAX as u64 {
-        return Err(SimError::TooLarge(spec.pages));
+    if spec.pages() > u32::MAX as u64 {
+        return Err(SimError::TooLarge(spec.pages()));
     }
     for j in jobs {
         if !ALL_POLICIES.contains(&j.policy.as_str()) {
@@ -68,18 +116,19 @@ pub fn simulate(
         .collect())
 }
 
-fn run_job(spec: &Spec, job: &Job, lat: &Latency) -> Outcome {
-    let cap = job.dram_pages.min(spec.pages).max(1);
-    let fill = if spec.fill { spec.pages } else { 0 };
+fn run_job(spec: &Source, job: &Job, lat: &Latency) -> Outcome {
+    let pages = spec.pages();
+    let cap = job.dram_pages.min(pages).max(1);
+    let fill = spec.fill();
     let fill_pass = (0..fill).map(|p| (p, true));
     if job.policy == "opt" {
         let trace: Vec<(u32, bool)> = fill_pass
-            .chain(spec.generator())
+            .chain(spec.stream())
             .map(|(p, w)| (p as u32, w))
             .collect();
-        return policies::opt(&trace, spec.pages, cap, fill as usize);
+        return policies::opt(&trace, pages, cap, fill as usize);
     }
-    let mut p = policies::by_name(&job.policy, spec.pages, cap, lat).expect("policy checked");
+    let mut p = policies::by_name(&job.policy, pages, cap, lat).expect("policy checked");
     let mut warm = Outcome::default();
     for (page, write) in fill_pass {
         p.access(page, write, &mut warm);
@@ -89,7 +138,7 @@ fn run_job(spec: &Spec, job: &Job, lat: &Latency) -> Outcome {
         dram_pages: cap,
         ..Outcome::default()
     };
-    for (page, write) in spec.generator() {
+    for (page, write) in spec.stream() {
         o.accesses += 1;
         p.access(page, write, &mut o);
     }
