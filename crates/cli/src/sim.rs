@@ -10,15 +10,16 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use memtide_engine::size;
 use memtide_sim::trace::{Record, Writer};
-use memtide_sim::{simulate, Job, Latency, Source, Spec, Trace, ALL_POLICIES};
+use memtide_sim::{simulate, Job, Latency, Source, Spec, Trace, ALL_POLICIES, KNOWN_POLICIES};
 
 use crate::opts;
 
 #[derive(Args, Debug)]
 pub struct SimArgs {
     /// The access profile: KIND:key=value,... with KIND uniform, zipf (skew), hotcold (hot,
-    /// share), scan (hot, share), phases (hot, share, phases); keys footprint, accesses, writes,
-    /// seed. Example: zipf:footprint=64GiB,skew=0.99,accesses=200M
+    /// share), scan (hot, share), phases (hot, share, phases), tiles (n tenants of `footprint`
+    /// each, `active` fraction used, `noisy` of them streaming); keys footprint, accesses,
+    /// writes, seed, fill. Example: zipf:footprint=64GiB,skew=0.99,accesses=200M
     #[arg(long, required_unless_present = "trace", conflicts_with = "trace")]
     pub workload: Option<String>,
     /// Replay a recorded trace (.mtt) instead of a synthetic workload.
@@ -30,7 +31,8 @@ pub struct SimArgs {
     /// DRAM sizes to try: percentages of the footprint or sizes, comma-separated (25%,50%,4GiB).
     #[arg(long, value_delimiter = ',', default_value = "25%,50%,75%")]
     pub dram: Vec<String>,
-    /// Policies, comma-separated, or `all`: memtide, lru, clock, lfu, opt.
+    /// Policies, comma-separated, or `all`: memtide, lru, clock, lfu, opt; and memory-mode, a
+    /// direct-mapped DRAM cache in front of the slow tier (not in `all`).
     #[arg(long, value_delimiter = ',', default_value = "all")]
     pub policy: Vec<String>,
     /// Cost of an access from DRAM, including the program's own work per access.
@@ -126,10 +128,10 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
     for p in &a.policy {
         if p == "all" {
             policies.extend(ALL_POLICIES.iter().map(|s| s.to_string()));
-        } else if ALL_POLICIES.contains(&p.as_str()) {
+        } else if KNOWN_POLICIES.contains(&p.as_str()) {
             policies.push(p.clone());
         } else {
-            bail!("--policy: unknown policy `{p}`: choose from memtide, lru, clock, lfu, opt, all");
+            bail!("--policy: unknown policy `{p}`: choose from memtide, lru, clock, lfu, opt, memory-mode, all");
         }
     }
     policies.dedup();
@@ -207,6 +209,12 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
                 slow,
                 (1.0 - 1.0 / slow) * 100.0
             );
+            if o.tenant_accesses.len() > 1 {
+                let per: Vec<String> = (0..o.tenant_accesses.len())
+                    .map(|t| format!("t{t} {:.2}x", o.tenant_slowdown(t, &lat)))
+                    .collect();
+                println!("{:<10} {:<8}   per tenant: {}", "", "", per.join("  "));
+            }
             rows.push(serde_json::json!({
                 "dram_bytes": d * 4096,
                 "dram_fraction": d as f64 / pages as f64,

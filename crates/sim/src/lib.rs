@@ -3,6 +3,7 @@
 //! Entry points: [`workload::Spec`], [`simulate`].
 #![forbid(unsafe_code)]
 
+pub mod memmode;
 pub mod policies;
 pub mod trace;
 pub mod workload;
@@ -24,6 +25,32 @@ impl Source {
         match self {
             Source::Spec(s) => s.pages,
             Source::Trace(t) => t.tenant_pages.iter().sum(),
+        }
+    }
+
+    /// Number of tenants, and the tenant of a page (tenants' pages are laid out in order).
+    pub fn tenants(&self) -> usize {
+        match self {
+            Source::Spec(s) => s.tenants() as usize,
+            Source::Trace(t) => t.tenant_pages.len(),
+        }
+    }
+
+    fn tenant_bases(&self) -> Vec<u64> {
+        match self {
+            Source::Spec(s) => {
+                let per = s.pages / s.tenants().max(1);
+                (0..s.tenants()).map(|t| t * per).collect()
+            }
+            Source::Trace(t) => t
+                .tenant_pages
+                .iter()
+                .scan(0, |acc, &n| {
+                    let b = *acc;
+                    *acc += n;
+                    Some(b)
+                })
+                .collect(),
         }
     }
 
@@ -60,10 +87,13 @@ impl Source {
 /// The policies `--policy all` means.
 pub const ALL_POLICIES: [&str; 5] = ["memtide", "lru", "clock", "lfu", "opt"];
 
+/// Every policy the simulator knows (`memory-mode` is the direct-mapped DRAM cache model).
+pub const KNOWN_POLICIES: [&str; 6] = ["memtide", "lru", "clock", "lfu", "opt", "memory-mode"];
+
 /// Why a simulation could not run.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum SimError {
-    #[error("unknown policy `{0}`: choose from memtide, lru, clock, lfu, opt, all")]
+    #[error("unknown policy `{0}`: choose from memtide, lru, clock, lfu, opt, memory-mode, all")]
     Policy(String),
     #[error("the footprint has {0} pages; the simulator handles at most 2^32")]
     TooLarge(u64),
@@ -89,7 +119,7 @@ pub fn simulate(
         return Err(SimError::TooLarge(spec.pages()));
     }
     for j in jobs {
-        if !ALL_POLICIES.contains(&j.policy.as_str()) {
+        if !KNOWN_POLICIES.contains(&j.policy.as_str()) {
             return Err(SimError::Policy(j.policy.clone()));
         }
     }
@@ -138,6 +168,21 @@ fn run_job(spec: &Source, job: &Job, lat: &Latency) -> Outcome {
         dram_pages: cap,
         ..Outcome::default()
     };
+    let tenants = spec.tenants();
+    if tenants > 1 {
+        let bases = spec.tenant_bases();
+        o.tenant_accesses = vec![0; tenants];
+        o.tenant_misses = vec![0; tenants];
+        for (page, write) in spec.stream() {
+            let t = bases.partition_point(|&b| b <= page) - 1;
+            let before = o.misses;
+            o.accesses += 1;
+            p.access(page, write, &mut o);
+            o.tenant_accesses[t] += 1;
+            o.tenant_misses[t] += o.misses - before;
+        }
+        return o;
+    }
     for (page, write) in spec.stream() {
         o.accesses += 1;
         p.access(page, write, &mut o);

@@ -27,6 +27,11 @@ pub struct Outcome {
     pub demotions: u64,
     /// Demotions that had to write (the page was written since it was last in tier 1).
     pub writebacks: u64,
+    /// Per tenant (when there are several): accesses and misses.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tenant_accesses: Vec<u64>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tenant_misses: Vec<u64>,
 }
 
 /// A replacement policy at a fixed DRAM size.
@@ -361,6 +366,7 @@ pub fn by_name(name: &str, pages: u64, cap: u64, lat: &Latency) -> Option<Box<dy
         "lru" => Box::new(Lru::new(pages, cap)),
         "clock" => Box::new(Clock::new(pages, cap, false)),
         "lfu" => Box::new(Clock::new(pages, cap, true)),
+        "memory-mode" => Box::new(crate::memmode::MemoryMode::new(pages, cap)),
         "memtide" => Box::new(Memtide::new(
             pages,
             cap,
@@ -395,6 +401,15 @@ impl Outcome {
 
     pub fn miss_ratio(&self) -> f64 {
         self.misses as f64 / self.accesses.max(1) as f64
+    }
+
+    /// Estimated slowdown of tenant `t` alone (its accesses and misses).
+    pub fn tenant_slowdown(&self, t: usize, lat: &Latency) -> f64 {
+        let a = self.tenant_accesses.get(t).copied().unwrap_or(0) as f64 * lat.dram_ns;
+        if a == 0.0 {
+            return 1.0;
+        }
+        (a + self.tenant_misses.get(t).copied().unwrap_or(0) as f64 * lat.tier_ns) / a
     }
 }
 

@@ -8,7 +8,7 @@ use std::fmt;
 /// Why a workload spec did not parse; each message says what to write instead.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum SpecError {
-    #[error("unknown workload kind `{0}`: choose uniform, zipf, hotcold, scan or phases")]
+    #[error("unknown workload kind `{0}`: choose uniform, zipf, hotcold, scan, phases or tiles")]
     Kind(String),
     #[error("`{0}` is not key=value")]
     Pair(String),
@@ -45,6 +45,14 @@ pub enum Kind {
         hot: f64,
         share: f64,
         phases: u64,
+    },
+    /// `n` tenants ("tiles") of `footprint` each, placed one after another in power-on order,
+    /// taking turns; each accesses the first `active` fraction of its memory uniformly, except
+    /// the last `noisy` tenants, which stream over all of theirs.
+    Tiles {
+        n: u64,
+        active: f64,
+        noisy: u64,
     },
 }
 
@@ -101,6 +109,9 @@ impl Spec {
         let mut share = 0.9;
         let mut phases = 4;
         let mut fill = true;
+        let mut tiles = 2u64;
+        let mut active = 0.5;
+        let mut noisy = 0u64;
         let bad = |key: &str, value: &str, why: &str| SpecError::Value {
             key: key.into(),
             value: value.into(),
@@ -116,6 +127,7 @@ impl Spec {
                 "zipf" => &["skew"][..],
                 "hotcold" | "scan" => &["hot", "share"][..],
                 "phases" => &["hot", "share", "phases"][..],
+                "tiles" => &["n", "active", "noisy"][..],
                 _ => return Err(SpecError::Kind(kind)),
             };
             match k {
@@ -169,6 +181,19 @@ impl Spec {
                         .filter(|&n: &u64| n > 0)
                         .ok_or_else(|| bad(k, v, "a positive integer"))?
                 }
+                "n" => {
+                    tiles = v
+                        .parse()
+                        .ok()
+                        .filter(|&n: &u64| (1..=4096).contains(&n))
+                        .ok_or_else(|| bad(k, v, "a tenant count from 1 to 4096"))?
+                }
+                "active" => {
+                    active = parse_fraction(v)
+                        .filter(|&f| f > 0.0)
+                        .ok_or_else(|| bad(k, v, "a fraction like 50%"))?
+                }
+                "noisy" => noisy = v.parse().map_err(|_| bad(k, v, "a tenant count"))?,
                 _ => unreachable!(),
             }
         }
@@ -178,11 +203,26 @@ impl Spec {
             "hotcold" => Kind::HotCold { hot, share },
             "scan" => Kind::Scan { hot, share },
             "phases" => Kind::Phases { hot, share, phases },
+            "tiles" => {
+                if noisy > tiles {
+                    return Err(bad("noisy", &noisy.to_string(), "at most n"));
+                }
+                Kind::Tiles {
+                    n: tiles,
+                    active,
+                    noisy,
+                }
+            }
             _ => return Err(SpecError::Kind(kind)),
+        };
+        let pages = match kind {
+            // For tiles the footprint is each tenant's.
+            Kind::Tiles { n, .. } => footprint / page_size * n,
+            _ => footprint / page_size,
         };
         Ok(Spec {
             kind,
-            pages: footprint / page_size,
+            pages,
             accesses,
             writes,
             seed,
@@ -192,6 +232,21 @@ impl Spec {
 
     pub fn generator(&self) -> Generator {
         Generator::new(self)
+    }
+
+    /// Number of tenants, and the tenant a page belongs to.
+    pub fn tenants(&self) -> u64 {
+        match self.kind {
+            Kind::Tiles { n, .. } => n,
+            _ => 1,
+        }
+    }
+
+    pub fn tenant_of(&self, page: u64) -> u64 {
+        match self.kind {
+            Kind::Tiles { n, .. } => page / (self.pages / n).max(1),
+            _ => 0,
+        }
     }
 }
 
@@ -217,6 +272,11 @@ impl fmt::Display for Spec {
                 "hot/cold {:.0}%/{:.0}% moving {phases} times",
                 hot * 100.0,
                 share * 100.0
+            )?,
+            Kind::Tiles { n, active, noisy } => write!(
+                f,
+                "{n} tiles, {:.0}% of each active, {noisy} noisy",
+                active * 100.0
             )?,
         }
         write!(
@@ -306,6 +366,10 @@ impl Zipf {
     }
 }
 
+fn n_pages_per(pages: u64, tenants: u64) -> u64 {
+    pages / tenants.max(1)
+}
+
 fn gcd(a: u64, b: u64) -> u64 {
     if b == 0 {
         a
@@ -360,7 +424,7 @@ impl Iterator for Generator {
         }
         let n = self.spec.pages.max(1);
         let page = match &self.spec.kind {
-            Kind::Uniform => self.rng.below(n),
+            Kind::Uniform | Kind::Tiles { .. } => self.rng.below(n),
             Kind::Zipf { .. } => {
                 let r = self
                     .zipf
@@ -391,6 +455,19 @@ impl Iterator for Generator {
                     self.rng.below(n)
                 }
             }
+        };
+        let page = if let Kind::Tiles { n, active, noisy } = self.spec.kind {
+            let per = (n_pages_per(self.spec.pages, n)).max(1);
+            let t = self.emitted % n;
+            let off = if t >= n - noisy {
+                // A noisy tenant streams over all its memory.
+                (self.emitted / n) % per
+            } else {
+                self.rng.below(((per as f64 * active) as u64).max(1))
+            };
+            t * per + off
+        } else {
+            page
         };
         let write = self.rng.unit() < self.spec.writes;
         self.emitted += 1;
