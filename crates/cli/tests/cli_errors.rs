@@ -3,25 +3,7 @@
 
 mod common;
 
-use common::{memtide, stderr, Scratch};
-
-fn fails_with(args: &[&str], needle: &str) {
-    let o = memtide().args(args).output().unwrap();
-    let err = stderr(&o);
-    assert!(!o.status.success(), "{args:?} should fail");
-    assert!(
-        err.contains(needle),
-        "{args:?}: expected {needle:?} in {err:?}"
-    );
-    assert!(
-        !err.contains("panicked") && !err.contains("RUST_BACKTRACE"),
-        "{err}"
-    );
-    assert!(
-        err.trim().lines().count() <= 3,
-        "one short message, got {err:?}"
-    );
-}
+use common::{fails_with, memtide, stderr, Scratch};
 
 #[test]
 fn dram_zero_and_garbage_and_too_large() {

@@ -7,23 +7,13 @@ mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{free_port, main_stats, memtide, require, value_for, wait_for_port, Scratch};
+use common::{free_port, main_stats, memtide, require, value_for, wait_for_port, Scratch, Server};
 
 const VALUE: usize = 64 * 1024;
 const KEYS: u64 = (1 << 30) / VALUE as u64;
-
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
-        let _ = self.0.wait();
-    }
-}
 
 struct Redis {
     w: TcpStream,

@@ -3,18 +3,7 @@
 
 mod common;
 
-use common::{memtide, stderr, Scratch};
-
-fn fails_with(args: &[&str], needle: &str) {
-    let o = memtide().args(args).output().unwrap();
-    let err = stderr(&o);
-    assert!(!o.status.success(), "{args:?} should fail");
-    assert!(
-        err.contains(needle),
-        "{args:?}: expected {needle:?} in {err:?}"
-    );
-    assert!(err.trim().lines().count() <= 3, "{err}");
-}
+use common::{fails_with, memtide, stderr, Scratch};
 
 #[test]
 fn bad_input_is_one_line() {

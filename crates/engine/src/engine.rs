@@ -299,6 +299,12 @@ impl Engine {
         self.arena.addr() + page * PAGE_SIZE
     }
 
+    /// The tier slot map. A panic while it was held cannot leave it inconsistent (every update
+    /// is one bitmap change and its counter), so a poisoned lock is taken as is.
+    fn slots(&self) -> std::sync::MutexGuard<'_, SlotMap> {
+        self.slots.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn ring_entry(&self, pos: u64) -> &AtomicU32 {
         &self.ring.as_slice::<AtomicU32>()[(pos % self.ring_slots) as usize]
     }
@@ -646,7 +652,7 @@ impl Engine {
     fn drop_contents(&self, first: usize, pages: usize, taken: &[(usize, State)]) {
         let mut mapped = 0u64;
         {
-            let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+            let mut slots = self.slots();
             for &(i, st) in taken {
                 match st {
                     State::Mapped => mapped += 1,
@@ -1205,7 +1211,7 @@ impl Engine {
         };
         if r == 0 && vec[0] & 1 == 0 {
             if let Some(s) = self.pt.slot(p) {
-                self.slots.lock().unwrap_or_else(|e| e.into_inner()).free(s);
+                self.slots().free(s);
                 self.pt.set_slot(p, None);
             }
             self.unreserve(1);
@@ -1290,7 +1296,7 @@ impl Engine {
         }
         // Publish: written and clean pages are evicted; zero pages drop their tier copy.
         {
-            let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+            let mut slots = self.slots();
             for &p in &gone {
                 if let Some(s) = self.pt.slot(p) {
                     slots.free(s);
@@ -1346,7 +1352,7 @@ impl Engine {
         let mut k = 0;
         let mut full = false;
         {
-            let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+            let mut slots = self.slots();
             while k < dirty.len() {
                 match slots.alloc_run((dirty.len() - k) as u64, |n| self.tier.grow(n).is_ok()) {
                     Some((first, n)) => {
@@ -1375,7 +1381,7 @@ impl Engine {
             // SAFETY: every address is a mapped staging page owned by us (Writing).
             unsafe { self.tier.write_runs(&io) }
         };
-        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let mut slots = self.slots();
         match res {
             Ok(()) => {
                 Counters::add(
@@ -1462,7 +1468,7 @@ impl Engine {
         let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let page = PAGE_SIZE as u64;
         let (tier_pages, tier_file_pages) = {
-            let s = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+            let s = self.slots();
             (s.in_use(), s.len())
         };
         Snapshot {

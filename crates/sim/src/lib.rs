@@ -66,15 +66,7 @@ impl Source {
         match self {
             Source::Spec(s) => Box::new(s.generator()),
             Source::Trace(t) => {
-                let base: Vec<u64> = t
-                    .tenant_pages
-                    .iter()
-                    .scan(0, |acc, &n| {
-                        let b = *acc;
-                        *acc += n;
-                        Some(b)
-                    })
-                    .collect();
+                let base = self.tenant_bases();
                 Box::new(
                     t.records()
                         .map(move |r| (base[r.tenant as usize] + r.page, r.write)),

@@ -4,7 +4,7 @@
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output};
 use std::time::{Duration, Instant};
 
 pub fn memtide() -> Command {
@@ -94,4 +94,35 @@ pub fn value_for(key: u64, len: usize) -> Vec<u8> {
             (x >> 24) as u8
         })
         .collect()
+}
+
+/// A server started for a test, stopped (SIGTERM, then reaped) when dropped.
+pub struct Server(pub Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
+        let _ = self.0.wait();
+    }
+}
+
+/// Runs memtide with `args` and checks that it fails with one short line containing `needle`,
+/// without a panic or backtrace.
+pub fn fails_with(args: &[&str], needle: &str) {
+    let o = memtide().args(args).output().unwrap();
+    let err = stderr(&o);
+    assert!(!o.status.success(), "{args:?} should fail");
+    assert!(
+        err.contains(needle),
+        "{args:?}: expected {needle:?} in {err:?}"
+    );
+    assert!(
+        !err.contains("panicked") && !err.contains("RUST_BACKTRACE"),
+        "{err}"
+    );
+    assert!(
+        err.trim().lines().count() <= 3,
+        "one short message, got {err:?}"
+    );
 }
