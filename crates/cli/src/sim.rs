@@ -105,6 +105,9 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
     if pages == 0 {
         bail!("the trace touches no pages");
     }
+    if pages > u32::MAX as u64 {
+        bail!("the footprint is larger than 16 TiB, the simulator's limit");
+    }
     if let (Some(path), Source::Spec(s)) = (&a.save_trace, &spec) {
         let f = std::fs::File::create(path)
             .with_context(|| format!("cannot create {}", path.display()))?;
@@ -135,9 +138,6 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
         }
     }
     policies.dedup();
-    if pages > u32::MAX as u64 {
-        bail!("the footprint is larger than 16 TiB, the simulator's limit");
-    }
     let lat = Latency {
         dram_ns: a.dram_latency.max(1e-3),
         tier_ns: a.tier_latency,

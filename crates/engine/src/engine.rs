@@ -436,14 +436,22 @@ impl Engine {
         }
         let mut hi = p + 1;
         let mut lo = p;
+        // Neighbours are filled only within p's allocation (an allocation's first page names
+        // its length), so that a new allocation beside this one stays untouched.
         if forward {
             let end = (p + ZERO_CHUNK).min(pages);
-            while hi < end && self.pt.claim(hi, State::Unpopulated, false).is_some() {
+            while hi < end
+                && self.pt.block(hi).0 == 0
+                && self.pt.claim(hi, State::Unpopulated, false).is_some()
+            {
                 hi += 1;
             }
         } else if backward {
             let start = p.saturating_sub(ZERO_CHUNK - 1);
-            while lo > start && self.pt.claim(lo - 1, State::Unpopulated, false).is_some() {
+            while lo > start
+                && self.pt.block(lo).0 == 0
+                && self.pt.claim(lo - 1, State::Unpopulated, false).is_some()
+            {
                 lo -= 1;
             }
         }
@@ -823,9 +831,15 @@ impl Engine {
         let mut taken = Vec::with_capacity(pages.min(1 << 16));
         self.take_pages(from, pages, &mut taken);
         for &(i, _) in &taken {
+            // The destination is a fresh allocation, but a page of it may already have been
+            // zero-filled (a program thread touching it through a stray pointer): take it
+            // whatever its state, and empty it, so that what lands there is the source page.
             let j = to + (i - from);
-            let claimed = self.pt.claim(j, State::Unpopulated, false);
-            debug_assert!(claimed.is_some());
+            if let Some(old) = self.pt.claim_any(j) {
+                if old.state() != State::Unpopulated {
+                    self.drop_contents(j, 1, &[(j, old.state())]);
+                }
+            }
         }
         // Mapped pages move in runs with UFFDIO_MOVE (no copy, no DRAM change).
         let mut k = 0;
@@ -1125,12 +1139,13 @@ impl Engine {
             return 0;
         }
         victims.clear();
+        sweep.want(want as u64);
         // Up to MAX_IDLE + 1 passes: each pass that comes up short lowers the bar.
         let mut scanned = 0usize;
         while victims.len() < want && scanned < hw * (Sweep::MAX_IDLE as usize + 1) {
             if *hand >= hw {
                 *hand = 0;
-                sweep.end_pass(want as u64);
+                sweep.end_pass((want - victims.len()) as u64);
             }
             let i = *hand;
             *hand += 1;
@@ -1526,8 +1541,33 @@ impl Engine {
         let hw = self.high_water.load(Ordering::Acquire);
         let mut mapped = 0u64;
         let mut staged = 0u64;
-        for i in 0..hw {
+        let mut present = vec![0u8; hw];
+        if hw > 0 {
+            // SAFETY: mincore writes one byte per page of the range into `present`, which
+            // has one byte per page; the range lies in our arena mapping.
+            let r = unsafe {
+                libc::mincore(
+                    self.arena.addr() as *mut libc::c_void,
+                    hw * PAGE_SIZE,
+                    present.as_mut_ptr(),
+                )
+            };
+            if r != 0 {
+                return Err(format!("mincore: {}", io::Error::last_os_error()));
+            }
+        }
+        for (i, &byte) in present.iter().enumerate() {
             let w = self.pt.load(i);
+            // The page table must agree with the hardware one: exactly the Mapped pages are
+            // present in the arena (others live in staging, tier 1, or nowhere).
+            let is_present = byte & 1 != 0;
+            if is_present != (w.state() == State::Mapped) {
+                return Err(format!(
+                    "page {i} is {:?} but {} in the arena",
+                    w.state(),
+                    if is_present { "present" } else { "missing" }
+                ));
+            }
             match w.state() {
                 State::Mapped => mapped += 1,
                 State::Staged | State::Writing => {

@@ -357,8 +357,7 @@ fn stress_eviction_racing_with_access() {
         snap.peak_dram_bytes <= QUOTA + 2 * (1 << 20),
         "DRAM stayed within the quota plus slack: {snap:?}"
     );
-    // Let the evictor settle, then the books must balance.
-    std::thread::sleep(Duration::from_millis(300));
+    // With the program's threads gone (audit pauses the evictor), the books must balance.
     engine.audit().expect("page table books balance");
 
     // Fork: the child sees memory as it was at the fork; neither sees the other's writes.

@@ -47,6 +47,16 @@ impl Activeness {
         Activeness(self.0 >> 1)
     }
 
+    /// The history after `epochs` more epochs without an access: [`age`](Self::age) that many
+    /// times (for callers that age lazily, when they next look at a page).
+    pub fn aged(self, epochs: u64) -> Activeness {
+        if epochs >= 8 {
+            Activeness(0)
+        } else {
+            Activeness(self.0 >> epochs)
+        }
+    }
+
     /// Number of whole epochs since the last recorded access (8 when none is recorded).
     pub fn idle_epochs(self) -> u32 {
         self.0.leading_zeros()
@@ -75,6 +85,7 @@ impl Activeness {
 pub struct Sweep {
     required_idle: u32,
     found_this_pass: u64,
+    wanted_this_pass: u64,
 }
 
 impl Default for Sweep {
@@ -82,6 +93,7 @@ impl Default for Sweep {
         Sweep {
             required_idle: Self::MAX_IDLE,
             found_this_pass: 0,
+            wanted_this_pass: 0,
         }
     }
 }
@@ -95,6 +107,14 @@ impl Sweep {
         self.required_idle
     }
 
+    /// The engine is about to look for `pages` pages to deactivate. The demand of a whole pass
+    /// (all such calls until [`end_pass`](Self::end_pass)) is what the pass's findings are
+    /// judged against; judging them against one call's demand would tighten the bar after
+    /// every small call and make the next call scan everything again.
+    pub fn want(&mut self, pages: u64) {
+        self.wanted_this_pass = self.wanted_this_pass.saturating_add(pages);
+    }
+
     /// Whether a page with this history should be deactivated now.
     pub fn take(&mut self, history: Activeness) -> bool {
         let take = history.idle_epochs() >= self.required_idle;
@@ -104,15 +124,17 @@ impl Sweep {
         take
     }
 
-    /// Called when the hand has passed over all resident memory once. `wanted` is how many pages
-    /// the engine needed during that pass.
-    pub fn end_pass(&mut self, wanted: u64) {
+    /// Called when the hand has passed over all resident memory once. `still_wanted` is what
+    /// the search under way has yet to find: it is demand on the next pass.
+    pub fn end_pass(&mut self, still_wanted: u64) {
+        let wanted = self.wanted_this_pass;
         if self.found_this_pass < wanted {
             self.required_idle = self.required_idle.saturating_sub(1);
-        } else if self.found_this_pass >= wanted.saturating_mul(2) {
+        } else if wanted > 0 && self.found_this_pass >= wanted.saturating_mul(2) {
             self.required_idle = (self.required_idle + 1).min(Self::MAX_IDLE);
         }
         self.found_this_pass = 0;
+        self.wanted_this_pass = still_wanted;
     }
 }
 
@@ -235,7 +257,9 @@ mod tests {
     fn sweep_relaxes_when_starved_and_tightens_when_rich() {
         let mut s = Sweep::default();
         assert_eq!(s.required_idle(), 2);
+        s.want(10);
         assert!(!s.take(Activeness(0x40)));
+        // The search still needs its 10 pages on the next pass.
         s.end_pass(10);
         assert_eq!(s.required_idle(), 1);
         s.end_pass(10);
@@ -244,7 +268,25 @@ mod tests {
         for _ in 0..20 {
             s.take(Activeness(0));
         }
-        s.end_pass(10);
+        s.end_pass(0);
+        assert_eq!(s.required_idle(), 1);
+        // A pass nobody wanted anything from changes nothing.
+        s.end_pass(0);
+        assert_eq!(s.required_idle(), 1);
+    }
+
+    #[test]
+    fn sweep_judges_a_pass_by_the_demand_of_the_whole_pass() {
+        // Many small calls in one pass: 30 found for 40 wanted is short, whatever each call
+        // asked for.
+        let mut s = Sweep::default();
+        for _ in 0..40 {
+            s.want(1);
+        }
+        for _ in 0..30 {
+            assert!(s.take(Activeness(0)));
+        }
+        s.end_pass(0);
         assert_eq!(s.required_idle(), 1);
     }
 

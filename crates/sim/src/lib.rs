@@ -173,11 +173,23 @@ fn run_job(spec: &Source, job: &Job, lat: &Latency) -> Outcome {
             o.tenant_accesses[t] += 1;
             o.tenant_misses[t] += o.misses - before;
         }
+        o.state_bytes = p.state_bytes();
         return o;
     }
-    for (page, write) in spec.stream() {
-        o.accesses += 1;
-        p.access(page, write, &mut o);
+    let mut batch = Vec::with_capacity(BATCH);
+    let mut stream = spec.stream();
+    loop {
+        batch.clear();
+        batch.extend(stream.by_ref().take(BATCH).map(|(p, w)| p << 1 | w as u64));
+        if batch.is_empty() {
+            break;
+        }
+        o.accesses += batch.len() as u64;
+        p.access_batch(&batch, &mut o);
     }
+    o.state_bytes = p.state_bytes();
     o
 }
+
+/// Accesses generated and replayed at a time.
+const BATCH: usize = 4096;

@@ -30,6 +30,9 @@ impl Policy for MemoryMode {
     fn name(&self) -> &'static str {
         "memory-mode"
     }
+    fn state_bytes(&self) -> u64 {
+        (self.tags.len() * 5 + self.touched.len() * 8) as u64
+    }
 
     fn access(&mut self, page: u64, write: bool, o: &mut Outcome) {
         // Physical page = page: sources lay tenants out one after another in power-on order.

@@ -27,6 +27,8 @@ pub struct Outcome {
     pub demotions: u64,
     /// Demotions that had to write (the page was written since it was last in tier 1).
     pub writebacks: u64,
+    /// Bytes of simulator state the policy kept (0 where not measured).
+    pub state_bytes: u64,
     /// Per tenant (when there are several): accesses and misses.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub tenant_accesses: Vec<u64>,
@@ -38,6 +40,30 @@ pub struct Outcome {
 pub trait Policy: Send {
     fn name(&self) -> &'static str;
     fn access(&mut self, page: u64, write: bool, o: &mut Outcome);
+    /// Replays a batch of accesses, each `page << 1 | write`.
+    fn access_batch(&mut self, batch: &[u64], o: &mut Outcome) {
+        for &a in batch {
+            self.access(a >> 1, a & 1 != 0, o);
+        }
+    }
+    /// Bytes of state this policy keeps (for the bytes-per-page figure).
+    fn state_bytes(&self) -> u64;
+}
+
+/// How far ahead in a batch a replay touches the page-state of an upcoming access, so that
+/// its cache miss overlaps with the work on the current one.
+const LOOKAHEAD: usize = 12;
+
+/// The batch loop of a policy whose per-page state lives in `$touch[page]`.
+macro_rules! batch_with_lookahead {
+    ($self:ident, $batch:ident, $o:ident, $touch:ident) => {{
+        for (i, &a) in $batch.iter().enumerate() {
+            if let Some(&next) = $batch.get(i + LOOKAHEAD) {
+                std::hint::black_box($self.$touch[(next >> 1) as usize]);
+            }
+            $self.access(a >> 1, a & 1 != 0, $o);
+        }
+    }};
 }
 
 const NEVER: u8 = 0;
@@ -100,6 +126,12 @@ impl Policy for Lru {
     fn name(&self) -> &'static str {
         "lru"
     }
+    fn access_batch(&mut self, batch: &[u64], o: &mut Outcome) {
+        batch_with_lookahead!(self, batch, o, prev)
+    }
+    fn state_bytes(&self) -> u64 {
+        (self.prev.len() * 4 + self.next.len() * 4 + self.state.len()) as u64
+    }
     fn access(&mut self, page: u64, write: bool, o: &mut Outcome) {
         let p = page as u32;
         let st = self.state[p as usize];
@@ -160,6 +192,12 @@ impl Clock {
 }
 
 impl Policy for Clock {
+    fn access_batch(&mut self, batch: &[u64], o: &mut Outcome) {
+        batch_with_lookahead!(self, batch, o, frame_of)
+    }
+    fn state_bytes(&self) -> u64 {
+        (self.frames.len() * 5 + self.frame_of.len() * 4 + self.state.len()) as u64
+    }
     fn name(&self) -> &'static str {
         if self.lfu {
             "lfu"
@@ -224,6 +262,10 @@ impl Policy for Clock {
 pub struct Memtide {
     state: Vec<u8>,
     hist: Vec<Activeness>,
+    /// The epoch each page's history was last brought up to date in: histories age lazily,
+    /// when a page is next looked at (the same shifts the engine applies every epoch, without
+    /// a pass over every page per epoch).
+    aged_at: Vec<u32>,
     /// Inactive FIFO of pages (stale entries skipped: their state says so).
     fifo: std::collections::VecDeque<u32>,
     staged: u64,
@@ -245,6 +287,7 @@ impl Memtide {
         Memtide {
             state: vec![NEVER; pages as usize],
             hist: vec![Activeness(0); pages as usize],
+            aged_at: vec![0; pages as usize],
             fifo: Default::default(),
             staged: 0,
             resident: 0,
@@ -259,27 +302,40 @@ impl Memtide {
         }
     }
 
-    fn age_all(&mut self) {
-        for i in 0..self.touched_max {
-            if self.state[i] & 3 != NEVER {
-                self.hist[i] = self.hist[i].age();
-            }
+    /// Page `i`'s history as of now.
+    fn history(&mut self, i: usize) -> Activeness {
+        let now = self.clock.epoch() as u32;
+        let behind = now.wrapping_sub(self.aged_at[i]);
+        if behind != 0 {
+            self.hist[i] = self.hist[i].aged(behind as u64);
+            self.aged_at[i] = now;
         }
+        self.hist[i]
+    }
+
+    fn touch(&mut self, i: usize) {
+        let h = self.history(i);
+        self.hist[i] = h.touch();
     }
 
     fn deactivate(&mut self, want: u64) {
         let n = self.touched_max;
         let mut found = 0;
         let mut scanned = 0;
+        self.sweep.want(want);
         while found < want && scanned < n * (Sweep::MAX_IDLE as usize + 1) {
             if self.hand >= n {
                 self.hand = 0;
-                self.sweep.end_pass(want);
+                self.sweep.end_pass(want - found);
             }
             let i = self.hand;
             self.hand += 1;
             scanned += 1;
-            if self.state[i] & 3 == IN_DRAM && self.sweep.take(self.hist[i]) {
+            if self.state[i] & 3 != IN_DRAM {
+                continue;
+            }
+            let h = self.history(i);
+            if self.sweep.take(h) {
                 self.state[i] = (self.state[i] & DIRTY) | STAGED;
                 self.fifo.push_back(i as u32);
                 self.staged += 1;
@@ -325,12 +381,16 @@ impl Policy for Memtide {
     fn name(&self) -> &'static str {
         "memtide"
     }
+    fn access_batch(&mut self, batch: &[u64], o: &mut Outcome) {
+        batch_with_lookahead!(self, batch, o, state)
+    }
+    fn state_bytes(&self) -> u64 {
+        (self.state.len() * 2 + self.aged_at.len() * 4 + self.fifo.capacity() * 4) as u64
+    }
     fn access(&mut self, page: u64, write: bool, o: &mut Outcome) {
         let p = page as usize;
         self.now_ns += self.access_ns;
-        if self.clock.tick(self.now_ns) {
-            self.age_all();
-        }
+        self.clock.tick(self.now_ns);
         let st = self.state[p];
         match st & 3 {
             IN_DRAM => {}
@@ -338,7 +398,7 @@ impl Policy for Memtide {
                 o.soft_faults += 1;
                 self.state[p] = IN_DRAM | (st & DIRTY);
                 self.staged -= 1;
-                self.hist[p] = self.hist[p].touch();
+                self.touch(p);
             }
             s => {
                 if s == NEVER {
@@ -349,7 +409,7 @@ impl Policy for Memtide {
                     self.now_ns += self.miss_ns;
                 }
                 self.state[p] = IN_DRAM;
-                self.hist[p] = self.hist[p].touch();
+                self.touch(p);
                 self.resident += 1;
                 self.relieve(o);
             }

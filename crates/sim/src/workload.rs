@@ -409,8 +409,14 @@ impl Generator {
     }
 
     fn scatter(&self, rank: u64, shift: u64) -> u64 {
+        // Ranks and the stride are below n: up to 2^32 pages (the simulator's limit) the
+        // product fits in 64 bits.
         let n = self.spec.pages.max(1);
-        ((rank as u128 * self.stride as u128 + shift as u128) % n as u128) as u64
+        if n <= 1 << 32 {
+            (rank * self.stride % n + shift % n) % n
+        } else {
+            ((rank as u128 * self.stride as u128 + shift as u128) % n as u128) as u64
+        }
     }
 }
 
