@@ -1,12 +1,16 @@
 //! The `memtide` binary: parses the command line and calls into the subcommands. Thin by design;
 //! the work is in `run.rs` (start a program with tiered memory), `demo.rs` (the built-in
-//! workload, all-DRAM vs memtide), `bench.rs` (the same against Linux swap), `sim.rs` (replay under other sizes and policies), and `workload.rs`
+//! workload, all-DRAM vs memtide), `bench.rs` (the same against Linux swap), `sim.rs` (replay under other sizes and policies), `plan.rs`
+//! (size hosts from tenant profiles), `probe.rs` (judge a device), and `workload.rs`
 //! (the workload itself, a hidden subcommand the others start). Entry point: [`main`].
 
 mod bench;
 mod demo;
 mod opts;
+mod plan;
+mod plot;
 mod preflight;
+mod probe;
 mod run;
 mod sim;
 mod summary;
@@ -43,6 +47,17 @@ enum Cmd {
     ///
     /// Example: memtide sim --workload zipf:footprint=64GiB,skew=0.99,accesses=200M --dram 25%,50% --policy all
     Sim(sim::SimArgs),
+    /// Plan hosts: from tenants' profiles (TOML), a loss budget and the prices of DRAM and tier,
+    /// how many tenants fit per host, at which DRAM:tier split, what limits the packing, and
+    /// the saving against all-DRAM.
+    ///
+    /// Example: memtide plan --tenants tenants.toml --dram-cost 3.0/GiB --tier-cost 0.1/GiB --max-loss 5%
+    Plan(plan::PlanArgs),
+    /// Judge a device as a memory tier: random read latency and IOPS, write IOPS, sequential
+    /// bandwidth on an O_DIRECT test file under PATH, with a verdict by the operator guidance.
+    ///
+    /// Example: memtide probe /var/tmp --json probe.json
+    Probe(probe::ProbeArgs),
     /// The built-in workload (used by demo and bench).
     #[command(hide = true)]
     Workload(workload::WorkloadArgs),
@@ -58,6 +73,8 @@ fn main() -> ExitCode {
         Cmd::Demo(a) => demo::demo(a),
         Cmd::Bench(a) => bench::bench(a),
         Cmd::Sim(a) => sim::sim(a),
+        Cmd::Plan(a) => plan::plan(a),
+        Cmd::Probe(a) => probe::probe(a),
         Cmd::Workload(a) => workload::main(a),
     };
     match result {

@@ -18,8 +18,9 @@ use crate::opts;
 pub struct SimArgs {
     /// The access profile: KIND:key=value,... with KIND uniform, zipf (skew), hotcold (hot,
     /// share), scan (hot, share), phases (hot, share, phases), tiles (n tenants of `footprint`
-    /// each, `active` fraction used, `noisy` of them streaming); keys footprint, accesses,
-    /// writes, seed, fill. Example: zipf:footprint=64GiB,skew=0.99,accesses=200M
+    /// each, `active` fraction used, `noisy` of them streaming), active (active, skew, cold:
+    /// one tenant's profile); keys footprint, accesses, warmup (accesses not counted), writes,
+    /// seed, fill. Example: zipf:footprint=64GiB,skew=0.99,accesses=200M
     #[arg(long, required_unless_present = "trace", conflicts_with = "trace")]
     pub workload: Option<String>,
     /// Replay a recorded trace (.mtt) instead of a synthetic workload.
@@ -44,9 +45,16 @@ pub struct SimArgs {
     /// Cost of a soft fault on memtide's inactive list.
     #[arg(long, value_parser = opts::latency_ns, default_value = "6us")]
     pub soft_latency: f64,
+    /// Take the tier latency from a `memtide probe --json` result (its read p50 plus memtide's
+    /// fault handling) instead of --tier-latency.
+    #[arg(long)]
+    pub probe: Option<PathBuf>,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Where a sweep (two or more DRAM sizes) draws loss vs DRAM per policy, as SVG.
+    #[arg(long, default_value = "memtide-sim.svg")]
+    pub plot: PathBuf,
 }
 
 fn parse_dram(s: &str, pages: u64) -> Result<u64> {
@@ -138,9 +146,23 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
         }
     }
     policies.dedup();
+    let tier_ns = match &a.probe {
+        Some(p) => {
+            let r = crate::probe::ProbeReport::load(p)?;
+            eprintln!(
+                "tier latency {:.0} µs from {} ({} read p50 {:.0} µs + fault handling)",
+                r.tier_latency_us,
+                p.display(),
+                r.path,
+                r.read_qd1.p50_us
+            );
+            r.tier_latency_us * 1e3
+        }
+        None => a.tier_latency,
+    };
     let lat = Latency {
         dram_ns: a.dram_latency.max(1e-3),
-        tier_ns: a.tier_latency,
+        tier_ns,
         soft_ns: a.soft_latency,
     };
     let jobs: Vec<Job> = sizes
@@ -223,6 +245,53 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
                 "slowdown": slow,
             }));
         }
+    }
+    if sizes.len() >= 2 {
+        let series = policies
+            .iter()
+            .map(|p| {
+                let mut points: Vec<(f64, f64)> = out
+                    .iter()
+                    .filter(|o| &o.policy == p)
+                    .map(|o| {
+                        let slow = o.slowdown(&lat);
+                        (o.dram_pages as f64 / pages as f64, 1.0 - 1.0 / slow)
+                    })
+                    .collect();
+                points.sort_by(|a, b| a.0.total_cmp(&b.0));
+                crate::plot::Series {
+                    name: p.clone(),
+                    points,
+                }
+            })
+            .collect();
+        crate::plot::Chart {
+            title: format!("Estimated loss vs DRAM — {label}"),
+            x_label: "DRAM, fraction of the footprint".into(),
+            y_label: "throughput loss vs all-DRAM".into(),
+            x_range: Some((0.0, 1.0)),
+            y_range: Some((0.0, 1.0)),
+            x_percent: true,
+            y_percent: true,
+            series,
+        }
+        .write(&a.plot)?;
+        eprintln!("plot: {}", a.plot.display());
+    }
+    // Bytes of state per page, the most any size needed, per policy.
+    let state: Vec<String> = policies
+        .iter()
+        .filter_map(|p| {
+            let b = out
+                .iter()
+                .filter(|o| &o.policy == p)
+                .map(|o| o.state_bytes)
+                .max()?;
+            (b > 0).then(|| format!("{p} {:.1}", b as f64 / pages as f64))
+        })
+        .collect();
+    if !state.is_empty() {
+        eprintln!("simulator state, bytes per page: {}", state.join(", "));
     }
     let total: u64 = out.iter().map(|o| o.accesses).sum();
     eprintln!(

@@ -48,9 +48,14 @@ fn replay_writes_json_with_opt_lowest() {
             "--json",
         ])
         .arg(&json)
+        .arg("--plot")
+        .arg(s.path().join("sim.svg"))
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
+    // The sweep's plot: one line per policy.
+    let svg = std::fs::read_to_string(s.path().join("sim.svg")).unwrap();
+    assert_eq!(svg.matches("<polyline").count(), 5, "{svg}");
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let rows = v["results"].as_array().unwrap();
     assert_eq!(rows.len(), 10);
@@ -82,6 +87,8 @@ fn saved_trace_replays_the_same_and_damage_is_reported() {
     let run = |args: &[&str], json: &std::path::Path| -> serde_json::Value {
         let o = memtide()
             .args(["sim", "--dram", "25%", "--policy", "lru,memtide"])
+            .arg("--plot")
+            .arg(s.path().join("unused.svg"))
             .args(args)
             .arg("--json")
             .arg(json)

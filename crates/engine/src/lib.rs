@@ -5,6 +5,7 @@
 mod arena;
 mod engine;
 mod pages;
+pub mod probe;
 pub mod signal;
 pub mod size;
 pub mod stats;

@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 pub mod memmode;
+pub mod plan;
 pub mod policies;
 pub mod trace;
 pub mod workload;
@@ -51,6 +52,14 @@ impl Source {
                     Some(b)
                 })
                 .collect(),
+        }
+    }
+
+    /// Accesses of the stream replayed before counting starts.
+    fn warmup(&self) -> u64 {
+        match self {
+            Source::Spec(s) => s.warmup,
+            Source::Trace(_) => 0,
         }
     }
 
@@ -148,11 +157,12 @@ fn run_job(spec: &Source, job: &Job, lat: &Latency) -> Outcome {
             .chain(spec.stream())
             .map(|(p, w)| (p as u32, w))
             .collect();
-        return policies::opt(&trace, pages, cap, fill as usize);
+        return policies::opt(&trace, pages, cap, (fill + spec.warmup()) as usize);
     }
     let mut p = policies::by_name(&job.policy, pages, cap, lat).expect("policy checked");
     let mut warm = Outcome::default();
-    for (page, write) in fill_pass {
+    let mut stream = spec.stream();
+    for (page, write) in fill_pass.chain(stream.by_ref().take(spec.warmup() as usize)) {
         p.access(page, write, &mut warm);
     }
     let mut o = Outcome {
@@ -165,7 +175,7 @@ fn run_job(spec: &Source, job: &Job, lat: &Latency) -> Outcome {
         let bases = spec.tenant_bases();
         o.tenant_accesses = vec![0; tenants];
         o.tenant_misses = vec![0; tenants];
-        for (page, write) in spec.stream() {
+        for (page, write) in stream {
             let t = bases.partition_point(|&b| b <= page) - 1;
             let before = o.misses;
             o.accesses += 1;
@@ -177,7 +187,6 @@ fn run_job(spec: &Source, job: &Job, lat: &Latency) -> Outcome {
         return o;
     }
     let mut batch = Vec::with_capacity(BATCH);
-    let mut stream = spec.stream();
     loop {
         batch.clear();
         batch.extend(stream.by_ref().take(BATCH).map(|(p, w)| p << 1 | w as u64));

@@ -8,7 +8,9 @@ use std::fmt;
 /// Why a workload spec did not parse; each message says what to write instead.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum SpecError {
-    #[error("unknown workload kind `{0}`: choose uniform, zipf, hotcold, scan, phases or tiles")]
+    #[error(
+        "unknown workload kind `{0}`: choose uniform, zipf, hotcold, scan, phases, active or tiles"
+    )]
     Kind(String),
     #[error("`{0}` is not key=value")]
     Pair(String),
@@ -46,6 +48,14 @@ pub enum Kind {
         share: f64,
         phases: u64,
     },
+    /// One tenant's profile as an operator describes it: its `active` fraction of memory gets
+    /// all accesses but a `cold` share (zipf-distributed with `skew` over the active pages, or
+    /// uniform with skew 0); the cold share goes uniformly over all of its memory.
+    Active {
+        active: f64,
+        skew: f64,
+        cold: f64,
+    },
     /// `n` tenants ("tiles") of `footprint` each, placed one after another in power-on order,
     /// taking turns; each accesses the first `active` fraction of its memory uniformly, except
     /// the last `noisy` tenants, which stream over all of theirs.
@@ -67,6 +77,9 @@ pub struct Spec {
     /// Start with one write to every page in order, not counted (a program initializing its
     /// memory), so that the counted accesses show the steady state rather than first touches.
     pub fill: bool,
+    /// Accesses replayed after the fill but not counted (DRAM settling into its steady
+    /// state); the generator emits `warmup + accesses`.
+    pub warmup: u64,
 }
 
 fn parse_count(v: &str) -> Option<u64> {
@@ -112,6 +125,8 @@ impl Spec {
         let mut tiles = 2u64;
         let mut active = 0.5;
         let mut noisy = 0u64;
+        let mut cold = 0.01;
+        let mut warmup = 0u64;
         let bad = |key: &str, value: &str, why: &str| SpecError::Value {
             key: key.into(),
             value: value.into(),
@@ -128,6 +143,7 @@ impl Spec {
                 "hotcold" | "scan" => &["hot", "share"][..],
                 "phases" => &["hot", "share", "phases"][..],
                 "tiles" => &["n", "active", "noisy"][..],
+                "active" => &["active", "skew", "cold"][..],
                 _ => return Err(SpecError::Kind(kind)),
             };
             match k {
@@ -146,6 +162,7 @@ impl Spec {
                         parse_fraction(v).ok_or_else(|| bad(k, v, "a fraction like 20% or 0.2"))?
                 }
                 "seed" => seed = v.parse().map_err(|_| bad(k, v, "an integer"))?,
+                "warmup" => warmup = parse_count(v).ok_or_else(|| bad(k, v, "a count like 10M"))?,
                 "fill" => {
                     fill = match v {
                         "yes" | "true" | "1" => true,
@@ -163,7 +180,7 @@ impl Spec {
                     skew = v
                         .parse::<f64>()
                         .ok()
-                        .filter(|x| *x > 0.0 && x.is_finite())
+                        .filter(|x| x.is_finite() && (*x > 0.0 || (*x == 0.0 && kind == "active")))
                         .ok_or_else(|| bad(k, v, "a positive number like 0.99"))?
                 }
                 "hot" => {
@@ -194,6 +211,9 @@ impl Spec {
                         .ok_or_else(|| bad(k, v, "a fraction like 50%"))?
                 }
                 "noisy" => noisy = v.parse().map_err(|_| bad(k, v, "a tenant count"))?,
+                "cold" => {
+                    cold = parse_fraction(v).ok_or_else(|| bad(k, v, "a fraction like 1%"))?
+                }
                 _ => unreachable!(),
             }
         }
@@ -203,6 +223,7 @@ impl Spec {
             "hotcold" => Kind::HotCold { hot, share },
             "scan" => Kind::Scan { hot, share },
             "phases" => Kind::Phases { hot, share, phases },
+            "active" => Kind::Active { active, skew, cold },
             "tiles" => {
                 if noisy > tiles {
                     return Err(bad("noisy", &noisy.to_string(), "at most n"));
@@ -227,6 +248,7 @@ impl Spec {
             writes,
             seed,
             fill,
+            warmup,
         })
     }
 
@@ -272,6 +294,12 @@ impl fmt::Display for Spec {
                 "hot/cold {:.0}%/{:.0}% moving {phases} times",
                 hot * 100.0,
                 share * 100.0
+            )?,
+            Kind::Active { active, skew, cold } => write!(
+                f,
+                "active {:.1}% (zipf skew {skew}), {:.1}% of accesses cold",
+                active * 100.0,
+                cold * 100.0
             )?,
             Kind::Tiles { n, active, noisy } => write!(
                 f,
@@ -398,6 +426,9 @@ impl Generator {
         Generator {
             zipf: match spec.kind {
                 Kind::Zipf { skew } => Some(Zipf::new(n, skew)),
+                Kind::Active { active, skew, .. } if skew > 0.0 => {
+                    Some(Zipf::new(((n as f64 * active) as u64).max(1), skew))
+                }
                 _ => None,
             },
             spec: spec.clone(),
@@ -425,7 +456,7 @@ impl Iterator for Generator {
     type Item = (u64, bool);
 
     fn next(&mut self) -> Option<(u64, bool)> {
-        if self.emitted >= self.spec.accesses {
+        if self.emitted >= self.spec.accesses + self.spec.warmup {
             return None;
         }
         let n = self.spec.pages.max(1);
@@ -439,6 +470,18 @@ impl Iterator for Generator {
                     .sample(&mut self.rng);
                 self.scatter(r, 0)
             }
+            Kind::Active { active, cold, .. } => {
+                let active_pages = ((n as f64 * active) as u64).max(1);
+                if self.rng.unit() < *cold {
+                    self.rng.below(n)
+                } else {
+                    let r = match &self.zipf {
+                        Some(z) => z.sample(&mut self.rng),
+                        None => self.rng.below(active_pages),
+                    };
+                    self.scatter(r, 0)
+                }
+            }
             Kind::HotCold { hot, share }
             | Kind::Scan { hot, share }
             | Kind::Phases { hot, share, .. } => {
@@ -447,7 +490,8 @@ impl Iterator for Generator {
                 if self.rng.unit() < share {
                     let shift = match self.spec.kind {
                         Kind::Phases { phases, .. } => {
-                            let phase = self.emitted * phases / self.spec.accesses;
+                            let phase =
+                                self.emitted * phases / (self.spec.accesses + self.spec.warmup);
                             phase * hot_pages * self.stride
                         }
                         _ => 0,
@@ -571,5 +615,31 @@ mod tests {
         };
         let in_hot = s.generator().filter(|(p, _)| hot.contains(p)).count() as f64 / 100_000.0;
         assert!((0.89..0.92).contains(&in_hot), "{in_hot}");
+    }
+
+    #[test]
+    fn active_profile_keeps_to_its_active_pages_but_for_the_cold_share() {
+        let s = Spec::parse(
+            "active:footprint=400MiB,accesses=200K,warmup=50K,active=20%,skew=0.9,cold=2%",
+            4096,
+            size,
+        )
+        .unwrap();
+        assert_eq!(s.warmup, 50_000);
+        let g = s.generator();
+        let active: std::collections::HashSet<u64> =
+            (0..s.pages / 5).map(|r| g.scatter(r, 0)).collect();
+        let all: Vec<u64> = s.generator().map(|(p, _)| p).collect();
+        assert_eq!(
+            all.len(),
+            250_000,
+            "warm-up accesses come first, then the counted ones"
+        );
+        let outside = all.iter().filter(|p| !active.contains(p)).count() as f64 / 250_000.0;
+        // Cold accesses land anywhere: 80% of them outside the active pages.
+        assert!((0.012..0.020).contains(&outside), "{outside}");
+        // Skewed: the most popular active page gets far more than a uniform share.
+        let top = all.iter().filter(|&&p| p == g.scatter(0, 0)).count();
+        assert!(top > 100 * 250_000 / (s.pages as usize / 5), "{top}");
     }
 }

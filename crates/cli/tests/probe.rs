@@ -1,0 +1,124 @@
+//! `memtide probe` end to end: its QD1 and QD32 random read rates agree with fio's on the same
+//! file within 25%, the report says what it measured, and bad paths are one-line errors.
+
+mod common;
+
+use std::process::Command;
+
+use common::{fails_with, memtide, require, stderr, Scratch};
+
+/// fio's random 4 KiB read IOPS on `file` at `depth`, O_DIRECT through io_uring.
+fn fio_iops(file: &str, depth: u32) -> f64 {
+    let o = Command::new("fio")
+        .args([
+            "--name=probe-check",
+            "--direct=1",
+            "--rw=randread",
+            "--bs=4k",
+            "--ioengine=io_uring",
+            "--time_based",
+            "--runtime=4",
+            "--output-format=json",
+        ])
+        .arg(format!("--filename={file}"))
+        .arg(format!("--iodepth={depth}"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "fio: {}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    v["jobs"][0]["read"]["iops"].as_f64().unwrap()
+}
+
+#[test]
+fn agrees_with_fio_on_the_same_file() {
+    require("fio");
+    let s = Scratch::new("probe");
+    let json = s.path().join("probe.json");
+    let o = memtide()
+        .args(["probe", "--size", "512MiB", "--keep-file", "--json"])
+        .arg(&json)
+        .arg(s.path())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("verdict: "), "{out}");
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let file = v["test_file"].as_str().unwrap().to_string();
+    assert!(std::path::Path::new(&file).exists(), "--keep-file keeps it");
+    let ours_qd1 = v["read_qd1"]["iops"].as_f64().unwrap();
+    let ours_qd32 = v["read_iops_qd32"].as_f64().unwrap();
+    let p50 = v["read_qd1"]["p50_us"].as_f64().unwrap();
+    let p99 = v["read_qd1"]["p99_us"].as_f64().unwrap();
+    assert!(p50 > 0.0 && p99 >= p50, "{v}");
+    assert!(
+        ["green", "yellow", "red"].contains(&v["verdict"].as_str().unwrap()),
+        "{v}"
+    );
+    assert!(
+        ours_qd32 > ours_qd1,
+        "a deeper queue serves more reads: {v}"
+    );
+    let fio_qd1 = fio_iops(&file, 1);
+    let fio_qd32 = fio_iops(&file, 32);
+    let _ = std::fs::remove_file(&file);
+    eprintln!(
+        "QD1 memtide {ours_qd1:.0} fio {fio_qd1:.0}; QD32 memtide {ours_qd32:.0} fio {fio_qd32:.0}"
+    );
+    for (what, ours, fio) in [("QD1", ours_qd1, fio_qd1), ("QD32", ours_qd32, fio_qd32)] {
+        let r = ours / fio;
+        assert!(
+            (0.75..=1.25).contains(&r),
+            "{what}: memtide probe {ours:.0} IOPS vs fio {fio:.0} IOPS ({r:.2}x)"
+        );
+    }
+}
+
+#[test]
+fn bad_paths_are_one_line() {
+    fails_with(
+        &["probe", "--quick", "/nonexistent/dir"],
+        "no such directory",
+    );
+    fails_with(&["probe", "--quick", "/etc/hostname"], "not a directory");
+    // A read-only filesystem, a full one, and one without O_DIRECT: mounting needs root, as
+    // CI is.
+    let s = Scratch::new("probemnt");
+    let ro = Mount::new(
+        s.path(),
+        "ro",
+        &["-t", "tmpfs", "-o", "ro,size=64m", "none"],
+    );
+    let full = Mount::new(s.path(), "full", &["-t", "tmpfs", "-o", "size=4m", "none"]);
+    let ramfs = Mount::new(s.path(), "ramfs", &["-t", "ramfs", "none"]);
+    fails_with(&["probe", "--quick", &ro.0], "not writable");
+    fails_with(&["probe", "--quick", "--size", "64MiB", &full.0], "no room");
+    fails_with(&["probe", "--quick", &ramfs.0], "does not support O_DIRECT");
+    // Nothing left behind.
+    assert_eq!(std::fs::read_dir(&full.0).unwrap().count(), 0);
+    assert_eq!(std::fs::read_dir(&ramfs.0).unwrap().count(), 0);
+}
+
+/// A filesystem mounted for a test, unmounted when dropped.
+struct Mount(String);
+
+impl Mount {
+    fn new(base: &std::path::Path, name: &str, args: &[&str]) -> Mount {
+        let m = base.join(name);
+        std::fs::create_dir_all(&m).unwrap();
+        let ok = Command::new("mount")
+            .args(args)
+            .arg(&m)
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "mount {args:?} needs root");
+        Mount(m.to_str().unwrap().to_string())
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
