@@ -27,31 +27,54 @@ pub struct BenchArgs {
     #[arg(long, value_parser = opts::nonzero_size, default_value = "2GiB")]
     pub footprint: u64,
     /// DRAM budgets, as percentages of the footprint.
-    #[arg(long, value_delimiter = ',', value_parser = opts::percent, default_value = "50,25")]
+    #[arg(long, value_delimiter = ',', value_parser = opts::percent, default_value = "75,50,25")]
     pub budgets: Vec<f64>,
-    /// Workloads: `skewed` (10% of pages take 99% of accesses: the hot set fits in half of
-    /// every budget) and `uniform`.
-    #[arg(long, value_delimiter = ',', default_value = "skewed,uniform")]
+    /// Workloads: `green` (10% of pages take 99% of accesses: the active set is at most half
+    /// of every budget down to 20%), `red` (80% of pages take 99%: the active set is larger
+    /// than DRAM) and `uniform`.
+    #[arg(long, value_delimiter = ',', default_value = "green,red,uniform")]
     pub workloads: Vec<String>,
+    /// Worker threads of the workload; every count is run.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    pub threads: Vec<usize>,
     /// Directory for memtide's tier file and Linux's swap file (the same device for both).
     #[arg(long, default_value = "/var/tmp")]
     pub tier: PathBuf,
     /// Seconds measured per run.
-    #[arg(long, value_parser = opts::seconds, default_value = "10")]
+    #[arg(long, value_parser = opts::seconds, default_value = "5")]
     pub seconds: f64,
     /// Seconds of warm-up per run before measuring.
-    #[arg(long, value_parser = opts::seconds_or_zero, default_value = "10")]
+    #[arg(long, value_parser = opts::seconds_or_zero, default_value = "5")]
     pub warmup: f64,
     /// Repetitions of every configuration (interleaved); medians are reported.
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
-    /// Skip the Linux-swap configurations (they need root).
+    /// Skip the Linux-swap and zswap configurations (they need root).
     #[arg(long)]
     pub no_swap: bool,
+    /// Skip the zswap configurations (Linux swap with a compressed RAM cache in front).
+    #[arg(long)]
+    pub no_zswap: bool,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Plots, one SVG per workload: throughput against all-DRAM per DRAM budget, written to
+    /// PREFIX-WORKLOAD.svg.
+    #[arg(long, default_value = "memtide-bench")]
+    pub plot: PathBuf,
 }
+
+/// A workload of the microbenchmark: which share of pages gets which share of accesses.
+fn workload_shape(name: &str) -> Option<(f64, f64)> {
+    match name {
+        "green" | "skewed" => Some((0.10, 0.99)),
+        "red" => Some((0.80, 0.99)),
+        "uniform" => Some((1.0, 1.0)),
+        _ => None,
+    }
+}
+
+const ZSWAP: &str = "/sys/module/zswap/parameters/enabled";
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
@@ -129,14 +152,12 @@ fn setup_swap(a: &BenchArgs, guard: &mut Guard) -> Result<MemCgroup> {
         bail!("the Linux-swap configurations need root (swapon, cgroups); run as root or with --no-swap");
     }
     let cg = find_memory_cgroup()?;
-    let zswap = Path::new("/sys/module/zswap/parameters/enabled");
-    if let Ok(v) = std::fs::read_to_string(zswap) {
-        if v.trim() == "Y" {
-            std::fs::write(zswap, "N").context("cannot turn zswap off")?;
-            guard
-                .0
-                .push(Restore::Write(zswap.to_path_buf(), "Y".into()));
-        }
+    // zswap is switched per run (off for Linux swap, on for zswap) and put back afterwards.
+    if let Ok(v) = std::fs::read_to_string(ZSWAP) {
+        std::fs::write(ZSWAP, "N").context("cannot turn zswap off")?;
+        guard
+            .0
+            .push(Restore::Write(PathBuf::from(ZSWAP), v.trim().to_string()));
     }
     let swap = a
         .tier
@@ -167,9 +188,10 @@ fn setup_swap(a: &BenchArgs, guard: &mut Guard) -> Result<MemCgroup> {
     Ok(cg)
 }
 
-#[derive(Serialize, Clone)]
+#[derive(Serialize, Clone, Default)]
 struct RunRecord {
     workload: String,
+    threads: usize,
     config: String,
     rep: usize,
     throughput: f64,
@@ -180,12 +202,18 @@ struct RunRecord {
     tier_read_p50_us: Option<f64>,
     peak_dram: Option<u64>,
     verified_pages: u64,
+    /// Why the run ended without a result (Linux configurations only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    failed: Option<String>,
 }
 
 #[derive(Serialize)]
 struct Row {
     workload: String,
+    threads: usize,
     config: String,
+    /// DRAM budget as a fraction of the footprint (1 for all-DRAM).
+    budget: f64,
     throughput_median: f64,
     vs_dram: f64,
     vs_swap: Option<f64>,
@@ -258,9 +286,12 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
         bail!("--reps must be at least 1");
     }
     for w in &a.workloads {
-        if w != "skewed" && w != "uniform" {
-            bail!("unknown workload `{w}`: choose skewed, uniform");
+        if workload_shape(w).is_none() {
+            bail!("unknown workload `{w}`: choose green, red, uniform");
         }
+    }
+    if a.threads.is_empty() || a.threads.iter().any(|&t| t == 0 || t > 64) {
+        bail!("--threads: give thread counts from 1 to 64");
     }
     if a.footprint > preflight::machine_memory() / 2 {
         bail!("--footprint {} is more than half this machine's memory; the all-DRAM runs need it all in DRAM", bytes(a.footprint));
@@ -324,123 +355,243 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
         a.tier.display()
     );
     let raw_p50 = raw_read_p50_us(&a.tier).ok();
+    let zswap = !a.no_swap && !a.no_zswap && Path::new(ZSWAP).exists();
+    if !a.no_swap && !a.no_zswap && !zswap {
+        eprintln!("memtide: this kernel has no zswap; skipping the zswap configurations");
+    }
+    // Every configuration: name, budget fraction, placement, whether zswap is on.
+    let mut configs: Vec<(String, f64, Placement, bool)> =
+        vec![("all-DRAM".into(), 1.0, Placement::Dram, false)];
+    for (i, &b) in budgets.iter().enumerate() {
+        let pct = a.budgets[i];
+        configs.push((
+            format!("memtide {pct:.0}%"),
+            pct / 100.0,
+            Placement::Memtide {
+                dram: b,
+                tier: &a.tier,
+                preload: &preload,
+            },
+            false,
+        ));
+        if let Some(procs) = cgroups.get(i) {
+            configs.push((
+                format!("Linux swap {pct:.0}%"),
+                pct / 100.0,
+                Placement::Cgroup { procs },
+                false,
+            ));
+            if zswap {
+                configs.push((
+                    format!("zswap {pct:.0}%"),
+                    pct / 100.0,
+                    Placement::Cgroup { procs },
+                    true,
+                ));
+            }
+        }
+    }
+    let total_runs = a.reps * a.workloads.len() * a.threads.len() * configs.len();
     let mut records: Vec<RunRecord> = Vec::new();
+    let started = Instant::now();
     for rep in 0..a.reps {
         for wname in &a.workloads {
-            let w = WorkloadArgs {
-                footprint: a.footprint,
-                hot: if wname == "skewed" { 0.10 } else { 1.0 },
-                hot_share: if wname == "skewed" { 0.99 } else { 1.0 },
-                writes: 0.2,
-                seconds: a.seconds,
-                warmup: a.warmup,
-                threads: 1,
-                seed: 42 + rep as u64,
-            };
-            let mut configs: Vec<(String, Placement)> = vec![("all-DRAM".into(), Placement::Dram)];
-            for (i, &b) in budgets.iter().enumerate() {
-                configs.push((
-                    format!("memtide {:.0}%", a.budgets[i]),
-                    Placement::Memtide {
-                        dram: b,
-                        tier: &a.tier,
-                        preload: &preload,
-                    },
-                ));
-                if let Some(procs) = cgroups.get(i) {
-                    configs.push((
-                        format!("Linux swap {:.0}%", a.budgets[i]),
-                        Placement::Cgroup { procs },
-                    ));
+            let (hot, hot_share) = workload_shape(wname).expect("checked");
+            for &threads in &a.threads {
+                let w = WorkloadArgs {
+                    footprint: a.footprint,
+                    hot,
+                    hot_share,
+                    writes: 0.2,
+                    seconds: a.seconds,
+                    warmup: a.warmup,
+                    threads,
+                    seed: 42 + rep as u64,
+                };
+                for (name, _, place, zswap_on) in &configs {
+                    if INTERRUPTED.load(Ordering::Relaxed) {
+                        bail!("interrupted; settings restored");
+                    }
+                    if zswap {
+                        std::fs::write(ZSWAP, if *zswap_on { "Y" } else { "N" })
+                            .context("cannot switch zswap")?;
+                    }
+                    let done = records.len();
+                    let eta = if done > 0 {
+                        let left = started.elapsed().as_secs_f64() / done as f64
+                            * (total_runs - done) as f64;
+                        format!(", about {:.0} min left", left / 60.0)
+                    } else {
+                        String::new()
+                    };
+                    let label =
+                        format!("[{}/{total_runs}{eta}] {wname} {threads}t {name}", done + 1);
+                    let o: Outcome = match run_workload(&label, &w, place) {
+                        Ok(o) => o,
+                        // Linux may kill a workload in its cgroup (out of memory with the
+                        // swap device busy or zswap's pool charged to the cgroup): that is a
+                        // result; a memtide run failing is not.
+                        Err(e) if matches!(place, Placement::Cgroup { .. }) => {
+                            eprintln!("{label}: failed: {e:#}");
+                            records.push(RunRecord {
+                                workload: wname.clone(),
+                                threads,
+                                config: name.clone(),
+                                rep,
+                                failed: Some(format!("{e:#}")),
+                                ..RunRecord::default()
+                            });
+                            continue;
+                        }
+                        Err(e) => return Err(e),
+                    };
+                    if o.result.mismatches > 0 {
+                        bail!(
+                            "{label}: {} pages read back wrong — a correctness failure, not a benchmark result",
+                            o.result.mismatches
+                        );
+                    }
+                    eprintln!(
+                        "{label}: {:.0} k accesses/s, {:.2}% slow, fill {:.2} s, {} pages verified ({:.0} s)",
+                        o.result.throughput / 1e3,
+                        o.result.slow_fraction * 100.0,
+                        o.result.fill_seconds,
+                        o.result.verified_pages,
+                        o.wall_seconds
+                    );
+                    records.push(RunRecord {
+                        workload: wname.clone(),
+                        threads,
+                        config: name.clone(),
+                        rep,
+                        throughput: o.result.throughput,
+                        fill_seconds: o.result.fill_seconds,
+                        slow_fraction: o.result.slow_fraction,
+                        peak_rss: o.peak_rss,
+                        tier_fault_p50_us: o.memtide.as_ref().map(|s| s.fault_tier_latency_p50_us),
+                        tier_read_p50_us: o.memtide.as_ref().map(|s| s.tier_read_latency_p50_us),
+                        peak_dram: o.memtide.as_ref().map(|s| s.peak_dram_bytes),
+                        verified_pages: o.result.verified_pages,
+                        failed: None,
+                    });
                 }
-            }
-            for (name, place) in &configs {
-                if INTERRUPTED.load(Ordering::Relaxed) {
-                    bail!("interrupted; settings restored");
-                }
-                let label = format!("[{}/{}] {wname} {name}", rep + 1, a.reps);
-                let o: Outcome = run_workload(&label, &w, place)?;
-                eprintln!(
-                    "{label}: {:.0} k accesses/s, {:.2}% slow, fill {:.2} s ({:.0} s)",
-                    o.result.throughput / 1e3,
-                    o.result.slow_fraction * 100.0,
-                    o.result.fill_seconds,
-                    o.wall_seconds
-                );
-                records.push(RunRecord {
-                    workload: wname.clone(),
-                    config: name.clone(),
-                    rep,
-                    throughput: o.result.throughput,
-                    fill_seconds: o.result.fill_seconds,
-                    slow_fraction: o.result.slow_fraction,
-                    peak_rss: o.peak_rss,
-                    tier_fault_p50_us: o.memtide.as_ref().map(|s| s.fault_tier_latency_p50_us),
-                    tier_read_p50_us: o.memtide.as_ref().map(|s| s.tier_read_latency_p50_us),
-                    peak_dram: o.memtide.as_ref().map(|s| s.peak_dram_bytes),
-                    verified_pages: o.result.verified_pages,
-                });
             }
         }
     }
     drop(guard);
 
     // Medians and ratios.
-    let med = |w: &str, c: &str, f: &dyn Fn(&RunRecord) -> f64| {
+    let med = |w: &str, t: usize, c: &str, f: &dyn Fn(&RunRecord) -> f64| {
         median(
             records
                 .iter()
-                .filter(|r| r.workload == w && r.config == c)
+                .filter(|r| r.workload == w && r.threads == t && r.config == c)
+                .filter(|r| r.failed.is_none())
                 .map(f)
                 .collect(),
         )
     };
     let mut rows = Vec::new();
-    let mut configs: Vec<String> = Vec::new();
-    for r in &records {
-        if !configs.contains(&r.config) {
-            configs.push(r.config.clone());
-        }
-    }
     println!();
     println!(
-        "{:<9} {:<16} {:>12} {:>9} {:>9} {:>9} {:>8}",
-        "workload", "config", "accesses/s", "vs DRAM", "vs swap", "slow", "fill s"
+        "{:<8} {:>3} {:<16} {:>12} {:>9} {:>9} {:>9} {:>8}",
+        "workload", "thr", "config", "accesses/s", "vs DRAM", "vs swap", "miss", "fill s"
     );
     for w in &a.workloads {
-        let dram = med(w, "all-DRAM", &|r| r.throughput);
-        for c in &configs {
-            let t = med(w, c, &|r| r.throughput);
-            let vs_swap = c
-                .strip_prefix("memtide ")
-                .map(|pct| t / med(w, &format!("Linux swap {pct}"), &|r| r.throughput))
-                .filter(|v| v.is_finite());
-            let row = Row {
-                workload: w.clone(),
-                config: c.clone(),
-                throughput_median: t,
-                vs_dram: t / dram,
-                vs_swap,
-                fill_median_seconds: med(w, c, &|r| r.fill_seconds),
-                slow_fraction_median: med(w, c, &|r| r.slow_fraction),
-            };
-            println!(
-                "{:<9} {:<16} {:>12.0} {:>8.3}x {:>9} {:>8.2}% {:>8.2}",
-                row.workload,
-                row.config,
-                row.throughput_median,
-                row.vs_dram,
-                row.vs_swap.map_or("-".into(), |v| format!("{v:.2}x")),
-                row.slow_fraction_median * 100.0,
-                row.fill_median_seconds
-            );
-            rows.push(row);
+        for &t in &a.threads {
+            let dram = med(w, t, "all-DRAM", &|r| r.throughput);
+            for (c, budget, _, _) in &configs {
+                let tp = med(w, t, c, &|r| r.throughput);
+                let vs_swap = c
+                    .strip_prefix("memtide ")
+                    .map(|pct| tp / med(w, t, &format!("Linux swap {pct}"), &|r| r.throughput))
+                    .filter(|v| v.is_finite());
+                let row = Row {
+                    workload: w.clone(),
+                    threads: t,
+                    config: c.clone(),
+                    budget: *budget,
+                    throughput_median: tp,
+                    vs_dram: tp / dram,
+                    vs_swap,
+                    fill_median_seconds: med(w, t, c, &|r| r.fill_seconds),
+                    slow_fraction_median: med(w, t, c, &|r| r.slow_fraction),
+                };
+                let failed = records
+                    .iter()
+                    .filter(|r| &r.workload == w && r.threads == t && &r.config == c)
+                    .filter(|r| r.failed.is_some())
+                    .count();
+                if tp.is_nan() {
+                    println!(
+                        "{:<8} {:>3} {:<16} {:>12} (every run was killed: {failed} of {})",
+                        w, t, c, "failed", a.reps
+                    );
+                    rows.push(row);
+                    continue;
+                }
+                println!(
+                    "{:<8} {:>3} {:<16} {:>12.0} {:>8.3}x {:>9} {:>8.3}% {:>8.2}{}",
+                    row.workload,
+                    row.threads,
+                    row.config,
+                    row.throughput_median,
+                    row.vs_dram,
+                    row.vs_swap.map_or("-".into(), |v| format!("{v:.2}x")),
+                    row.slow_fraction_median * 100.0,
+                    row.fill_median_seconds,
+                    if failed > 0 {
+                        format!("  ({failed} of {} runs killed)", a.reps)
+                    } else {
+                        String::new()
+                    }
+                );
+                rows.push(row);
+            }
         }
+    }
+    println!(
+        "(miss: accesses served from tier 1 or swap, i.e. slower than 20 µs; sampled 1 in 64)"
+    );
+    // One plot per workload: throughput against all-DRAM per budget, per family and threads.
+    for w in &a.workloads {
+        let mut series = Vec::new();
+        for family in ["memtide", "Linux swap", "zswap"] {
+            for &t in &a.threads {
+                let points: Vec<(f64, f64)> = rows
+                    .iter()
+                    .filter(|r| &r.workload == w && r.threads == t && r.config.starts_with(family))
+                    .map(|r| (r.budget, r.vs_dram))
+                    .collect();
+                if !points.is_empty() {
+                    series.push(crate::plot::Series {
+                        name: format!("{family}, {t} thr"),
+                        points,
+                    });
+                }
+            }
+        }
+        let path = PathBuf::from(format!("{}-{w}.svg", a.plot.display()));
+        crate::plot::Chart {
+            title: format!(
+                "memtide bench: {w} workload over {}, throughput vs all-DRAM",
+                bytes(a.footprint)
+            ),
+            x_label: "DRAM budget, fraction of the footprint".into(),
+            y_label: "throughput / all-DRAM".into(),
+            x_range: Some((0.0, 1.0)),
+            y_range: None,
+            x_percent: true,
+            y_percent: false,
+            series,
+        }
+        .write(&path)?;
+        eprintln!("plot: {}", path.display());
     }
     let fault_p50 = median(
         records
             .iter()
-            .filter(|r| r.workload == a.workloads[0])
+            .filter(|r| r.workload == a.workloads[0] && r.threads == a.threads[0])
             .filter_map(|r| r.tier_fault_p50_us)
             .collect(),
     );
@@ -475,6 +626,8 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
         let json = serde_json::json!({
             "footprint": a.footprint,
             "budgets": budgets,
+            "threads": a.threads,
+            "workloads": a.workloads,
             "seconds": a.seconds,
             "warmup": a.warmup,
             "reps": a.reps,

@@ -391,7 +391,7 @@ pub fn plan(a: PlanArgs) -> Result<ExitCode> {
 
     println!(
         "{:<14} {:>6} {:>10} {:>10} {:>12} {:>9} {:>9} {:>12}",
-        "tenant", "copies", "footprint", "active", "DRAM needed", "in DRAM", "loss", "tier reads"
+        "tenant", "copies", "footprint", "active", "DRAM each", "in DRAM", "loss", "tier reads"
     );
     for (t, &f) in tenants.iter().zip(&best.fractions) {
         let pt = t

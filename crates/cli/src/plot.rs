@@ -63,6 +63,15 @@ fn tick(v: f64, percent: bool) -> String {
     }
 }
 
+/// `s` cut to `n` characters (with an ellipsis) so that it fits the chart's width.
+fn clip(s: &str, n: usize) -> String {
+    if s.chars().count() <= n {
+        s.to_string()
+    } else {
+        s.chars().take(n - 1).chain(std::iter::once('…')).collect()
+    }
+}
+
 fn escape(s: &str) -> String {
     s.replace('&', "&amp;")
         .replace('<', "&lt;")
@@ -102,9 +111,8 @@ impl Chart {
         let _ = writeln!(o, r#"<rect width="{W}" height="{H}" fill="white"/>"#);
         let _ = writeln!(
             o,
-            r#"<text x="{}" y="22" text-anchor="middle" font-size="15">{}</text>"#,
-            LEFT + pw / 2.0,
-            escape(&self.title)
+            r#"<text x="10" y="22" font-size="14">{}</text>"#,
+            escape(&clip(&self.title, 100))
         );
         // Grid and ticks.
         let step = nice_step(x1 - x0);

@@ -293,7 +293,12 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
     if !state.is_empty() {
         eprintln!("simulator state, bytes per page: {}", state.join(", "));
     }
-    let total: u64 = out.iter().map(|o| o.accesses).sum();
+    // Every replay also replays the fill pass and the warm-up, uncounted.
+    let uncounted = match &spec {
+        Source::Spec(s) => (if s.fill { s.pages } else { 0 }) + s.warmup,
+        Source::Trace(_) => 0,
+    };
+    let total: u64 = out.iter().map(|o| o.accesses + uncounted).sum();
     eprintln!(
         "{} replays, {:.0} M simulated accesses in {secs:.1} s ({:.1} M/s on {threads} threads)",
         out.len(),
