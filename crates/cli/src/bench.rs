@@ -23,9 +23,23 @@ use crate::{opts, preflight};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
-    /// Memory each workload run touches.
+    /// Experiments to run: `micro` (the built-in workload), `memcached` and `redis` (a
+    /// dataset of --footprint bytes of values, zipf-distributed keys, 90% gets and 10% sets,
+    /// over loopback from memtide's own load generator).
+    #[arg(long, value_delimiter = ',', default_value = "micro")]
+    pub experiments: Vec<String>,
+    /// Memory each workload run touches (for memcached and redis: bytes of values stored).
     #[arg(long, value_parser = opts::nonzero_size, default_value = "2GiB")]
     pub footprint: u64,
+    /// Key popularity skews (zipf) for memcached and redis.
+    #[arg(long, value_delimiter = ',', default_value = "0.99,0.8")]
+    pub skews: Vec<f64>,
+    /// Client connections driving memcached and redis.
+    #[arg(long, default_value_t = 4)]
+    pub clients: usize,
+    /// Bytes per value for memcached and redis.
+    #[arg(long, default_value_t = 4000)]
+    pub value_bytes: usize,
     /// DRAM budgets, as percentages of the footprint.
     #[arg(long, value_delimiter = ',', value_parser = opts::percent, default_value = "75,50,25")]
     pub budgets: Vec<f64>,
@@ -75,6 +89,16 @@ fn workload_shape(name: &str) -> Option<(f64, f64)> {
 }
 
 const ZSWAP: &str = "/sys/module/zswap/parameters/enabled";
+
+/// Turns zswap on (for a zswap configuration) or off (for plain Linux swap).
+pub fn set_zswap(on: bool) -> Result<()> {
+    std::fs::write(ZSWAP, if on { "Y" } else { "N" }).context("cannot switch zswap")
+}
+
+/// Whether the user interrupted the bench (it then stops and restores every setting).
+pub fn interrupted() -> bool {
+    INTERRUPTED.load(Ordering::Relaxed)
+}
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
@@ -285,6 +309,25 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     if a.reps == 0 {
         bail!("--reps must be at least 1");
     }
+    for e in &a.experiments {
+        if !["micro", "memcached", "redis"].contains(&e.as_str()) {
+            bail!("unknown experiment `{e}`: choose micro, memcached, redis");
+        }
+        if e != "micro" {
+            crate::kv::Server::from_name(e)
+                .expect("known")
+                .check_installed()?;
+        }
+    }
+    if a.skews.iter().any(|s| !(*s > 0.0 && *s < 4.0)) {
+        bail!("--skews: give zipf skews between 0 and 4, like 0.99,0.8");
+    }
+    if a.clients == 0 || a.clients > 256 {
+        bail!("--clients: give 1 to 256 connections");
+    }
+    if !(16..=1 << 20).contains(&a.value_bytes) {
+        bail!("--value-bytes: give 16 bytes to 1 MiB");
+    }
     for w in &a.workloads {
         if workload_shape(w).is_none() {
             bail!("unknown workload `{w}`: choose green, red, uniform");
@@ -391,6 +434,39 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
             }
         }
     }
+    let configs = Configs(configs);
+    let mut report = serde_json::Map::new();
+    report.insert("footprint".into(), a.footprint.into());
+    report.insert("budgets".into(), serde_json::json!(budgets));
+    report.insert("reps".into(), a.reps.into());
+    for e in &a.experiments {
+        let section = match e.as_str() {
+            "micro" => micro(&a, &configs, zswap, raw_p50)?,
+            "memcached" => crate::kv::run(&a, crate::kv::Server::Memcached, &configs.0, zswap)?,
+            "redis" => crate::kv::run(&a, crate::kv::Server::Redis, &configs.0, zswap)?,
+            _ => unreachable!("checked above"),
+        };
+        report.insert(e.clone(), section);
+    }
+    drop(guard);
+    if let Some(p) = &a.json {
+        std::fs::write(p, serde_json::to_vec_pretty(&report)?)
+            .with_context(|| format!("cannot write {}", p.display()))?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Every configuration of a run: name, DRAM budget as a fraction, placement, zswap on.
+pub struct Configs<'a>(pub Vec<(String, f64, Placement<'a>, bool)>);
+
+/// The microbenchmark: the built-in workload under every configuration.
+fn micro(
+    a: &BenchArgs,
+    configs: &Configs,
+    zswap: bool,
+    raw_p50: Option<f64>,
+) -> Result<serde_json::Value> {
+    let configs = &configs.0;
     let total_runs = a.reps * a.workloads.len() * a.threads.len() * configs.len();
     let mut records: Vec<RunRecord> = Vec::new();
     let started = Instant::now();
@@ -408,13 +484,12 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
                     threads,
                     seed: 42 + rep as u64,
                 };
-                for (name, _, place, zswap_on) in &configs {
+                for (name, _, place, zswap_on) in configs {
                     if INTERRUPTED.load(Ordering::Relaxed) {
                         bail!("interrupted; settings restored");
                     }
                     if zswap {
-                        std::fs::write(ZSWAP, if *zswap_on { "Y" } else { "N" })
-                            .context("cannot switch zswap")?;
+                        set_zswap(*zswap_on)?;
                     }
                     let done = records.len();
                     let eta = if done > 0 {
@@ -478,7 +553,6 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
             }
         }
     }
-    drop(guard);
 
     // Medians and ratios.
     let med = |w: &str, t: usize, c: &str, f: &dyn Fn(&RunRecord) -> f64| {
@@ -500,7 +574,7 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     for w in &a.workloads {
         for &t in &a.threads {
             let dram = med(w, t, "all-DRAM", &|r| r.throughput);
-            for (c, budget, _, _) in &configs {
+            for (c, budget, _, _) in configs {
                 let tp = med(w, t, c, &|r| r.throughput);
                 let vs_swap = c
                     .strip_prefix("memtide ")
@@ -622,24 +696,16 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
         ),
         None => println!("tier-1 fault p50 {fault_p50:.0} µs (raw device read not measured)"),
     }
-    if let Some(p) = &a.json {
-        let json = serde_json::json!({
-            "footprint": a.footprint,
-            "budgets": budgets,
-            "threads": a.threads,
-            "workloads": a.workloads,
-            "seconds": a.seconds,
-            "warmup": a.warmup,
-            "reps": a.reps,
-            "rows": rows,
-            "runs": records,
-            "fill_dram_seconds": fill_dram,
-            "fill_memtide_seconds": fill_mt,
-            "tier_fault_p50_us": fault_p50,
-            "raw_read_p50_us": raw_p50,
-        });
-        std::fs::write(p, serde_json::to_vec_pretty(&json)?)
-            .with_context(|| format!("cannot write {}", p.display()))?;
-    }
-    Ok(ExitCode::SUCCESS)
+    Ok(serde_json::json!({
+        "threads": a.threads,
+        "workloads": a.workloads,
+        "seconds": a.seconds,
+        "warmup": a.warmup,
+        "rows": rows,
+        "runs": records,
+        "fill_dram_seconds": fill_dram,
+        "fill_memtide_seconds": fill_mt,
+        "tier_fault_p50_us": fault_p50,
+        "raw_read_p50_us": raw_p50,
+    }))
 }

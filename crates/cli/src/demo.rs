@@ -61,6 +61,36 @@ pub enum Placement<'a> {
     Cgroup { procs: &'a Path },
 }
 
+impl Placement<'_> {
+    /// Sets `cmd` up to run in this placement; memtide's statistics go to `stats_dir`.
+    pub fn apply(&self, cmd: &mut Command, stats_dir: &Path) {
+        match self {
+            Placement::Dram => {}
+            Placement::Memtide {
+                dram,
+                tier,
+                preload,
+            } => TierEnv {
+                preload,
+                dram: *dram,
+                tier,
+                tier_size: None,
+                min_bytes: 128 << 10,
+                stats_dir,
+                stats_interval_ms: 500,
+            }
+            .apply(cmd),
+            Placement::Cgroup { procs } => {
+                let procs = procs.to_path_buf();
+                // SAFETY: the closure only writes a file and runs between fork and exec.
+                unsafe {
+                    cmd.pre_exec(move || std::fs::write(&procs, std::process::id().to_string()));
+                }
+            }
+        }
+    }
+}
+
 /// What one workload run produced.
 pub struct Outcome {
     pub result: WorkloadResult,
@@ -78,30 +108,7 @@ pub fn run_workload(label: &str, w: &WorkloadArgs, place: &Placement) -> Result<
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
     let stats_dir = StatsDir::new()?;
-    match place {
-        Placement::Dram => {}
-        Placement::Memtide {
-            dram,
-            tier,
-            preload,
-        } => TierEnv {
-            preload,
-            dram: *dram,
-            tier,
-            tier_size: None,
-            min_bytes: 128 << 10,
-            stats_dir: &stats_dir.0,
-            stats_interval_ms: 500,
-        }
-        .apply(&mut cmd),
-        Placement::Cgroup { procs } => {
-            let procs = procs.to_path_buf();
-            // SAFETY: the closure only writes a file and runs between fork and exec.
-            unsafe {
-                cmd.pre_exec(move || std::fs::write(&procs, std::process::id().to_string()));
-            }
-        }
-    }
+    place.apply(&mut cmd, &stats_dir.0);
     let start = Instant::now();
     let mut child = cmd.spawn().context("cannot start the workload")?;
     let out = child.stdout.take().expect("piped stdout");

@@ -6,6 +6,7 @@
 
 mod bench;
 mod demo;
+mod kv;
 mod opts;
 mod plan;
 mod plot;

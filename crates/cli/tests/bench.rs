@@ -7,12 +7,16 @@ mod common;
 
 use common::{memtide, stderr, Scratch};
 
+/// The benches change system-wide settings (zswap, swap files): one at a time.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn swaps() -> String {
     std::fs::read_to_string("/proc/swaps").unwrap_or_default()
 }
 
 #[test]
 fn short_microbenchmark_reports_every_configuration() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let s = Scratch::new("bench");
     let json = s.path().join("bench.json");
     let zswap = std::fs::read_to_string("/sys/module/zswap/parameters/enabled").ok();
@@ -45,6 +49,7 @@ fn short_microbenchmark_reports_every_configuration() {
         .unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let v = &v["micro"];
     let mut configs = vec!["all-DRAM", "memtide 50%", "Linux swap 50%"];
     if zswap.is_some() {
         configs.push("zswap 50%");
@@ -102,5 +107,65 @@ fn short_microbenchmark_reports_every_configuration() {
                 .collect();
             assert!(ours.is_empty(), "cgroups left behind in {root}: {ours:?}");
         }
+    }
+}
+
+#[test]
+fn short_memcached_and_redis_runs_verify_every_get() {
+    common::require("memcached");
+    common::require("redis-server");
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let s = Scratch::new("benchkv");
+    let json = s.path().join("kv.json");
+    let o = memtide()
+        .args([
+            "bench",
+            "--experiments",
+            "memcached,redis",
+            "--footprint",
+            "64MiB",
+            "--budgets",
+            "50",
+            "--skews",
+            "0.99",
+            "--seconds",
+            "0.5",
+            "--warmup",
+            "0.5",
+            "--reps",
+            "1",
+            "--no-zswap",
+            "--tier",
+        ])
+        .arg(s.path())
+        .arg("--json")
+        .arg(&json)
+        .arg("--plot")
+        .arg(s.path().join("plot"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    for server in ["memcached", "redis"] {
+        let sec = &v[server];
+        let rows = sec["rows"].as_array().unwrap();
+        let configs: Vec<&str> = rows.iter().map(|r| r["config"].as_str().unwrap()).collect();
+        assert_eq!(
+            configs,
+            ["all-DRAM", "memtide 50%", "Linux swap 50%"],
+            "{server}"
+        );
+        let mt = &rows[1];
+        assert!(mt["ops_per_sec"].as_f64().unwrap() > 0.0, "{mt}");
+        assert!(mt["p99_us"].as_f64().unwrap() >= mt["p50_us"].as_f64().unwrap());
+        for run in sec["runs"].as_array().unwrap() {
+            if run.get("failed").is_none() {
+                assert!(run["gets_verified"].as_u64().unwrap() > 100, "{run}");
+            }
+        }
+        // memtide kept the server within its budget (plus the documented slack).
+        let peak = sec["runs"][1]["peak_dram"].as_u64().unwrap();
+        assert!(peak <= (32 << 20) + (1 << 20), "peak DRAM {peak}");
+        assert!(s.path().join(format!("plot-{server}.svg")).exists());
     }
 }

@@ -343,7 +343,7 @@ impl Rng {
 /// Zipf sampling over ranks 1..=n by rejection inversion (Hörmann and Derflinger), O(1) per
 /// sample for any n.
 #[derive(Clone, Debug)]
-struct Zipf {
+pub struct Zipf {
     n: f64,
     s: f64,
     h_x1: f64,
@@ -352,7 +352,8 @@ struct Zipf {
 }
 
 impl Zipf {
-    fn new(n: u64, s: f64) -> Zipf {
+    /// Ranks 0..n with skew `s` (> 0).
+    pub fn new(n: u64, s: f64) -> Zipf {
         let mut z = Zipf {
             n: n as f64,
             s,
@@ -382,7 +383,7 @@ impl Zipf {
         }
     }
     /// A rank in 0..n (0 the most popular).
-    fn sample(&self, rng: &mut Rng) -> u64 {
+    pub fn sample(&self, rng: &mut Rng) -> u64 {
         loop {
             let u = self.h_n + rng.unit() * (self.h_x1 - self.h_n);
             let x = self.h_inv(u);

@@ -1,0 +1,620 @@
+//! The key-value experiments of `memtide bench`: memcached and redis (Debian's) holding a
+//! dataset of values, driven over loopback by memtide's own load generator — zipf-distributed
+//! keys, 90% gets and 10% sets, several connections, every get's value checked — under every
+//! configuration (all-DRAM, memtide, Linux swap, zswap), interleaved, medians of the
+//! repetitions. Entry point: [`run`].
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use memtide_sim::workload::{Rng, Zipf};
+use serde::Serialize;
+
+use crate::bench::BenchArgs;
+use crate::demo::Placement;
+use crate::run::StatsDir;
+use crate::summary;
+
+/// Which server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Server {
+    Memcached,
+    Redis,
+}
+
+impl Server {
+    pub fn from_name(s: &str) -> Option<Server> {
+        match s {
+            "memcached" => Some(Server::Memcached),
+            "redis" => Some(Server::Redis),
+            _ => None,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Server::Memcached => "memcached",
+            Server::Redis => "redis",
+        }
+    }
+
+    fn program(self) -> &'static str {
+        match self {
+            Server::Memcached => "memcached",
+            Server::Redis => "redis-server",
+        }
+    }
+
+    /// Fails with the command that installs the server when it is missing.
+    pub fn check_installed(self) -> Result<()> {
+        let ok = Command::new("sh")
+            .arg("-c")
+            .arg(format!("command -v {}", self.program()))
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !ok {
+            bail!(
+                "{} is not installed: run `apt-get install {}` (as root)",
+                self.program(),
+                match self {
+                    Server::Memcached => "memcached",
+                    Server::Redis => "redis-server",
+                }
+            );
+        }
+        Ok(())
+    }
+
+    fn command(self, port: u16, dataset: u64) -> Command {
+        let mut c = Command::new(self.program());
+        match self {
+            Server::Memcached => {
+                // Room for the whole dataset with its item overhead: nothing is evicted.
+                let mib = ((dataset * 2) >> 20).max(64);
+                c.args(["-p", &port.to_string(), "-U", "0", "-l", "127.0.0.1"])
+                    .args(["-t", "2", "-c", "1024", "-u", "root"])
+                    .args(["-m", &mib.to_string()]);
+            }
+            Server::Redis => {
+                c.args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                    .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"]);
+            }
+        }
+        c.stdout(Stdio::null()).stderr(Stdio::null());
+        c
+    }
+}
+
+/// The value stored under key `k`: bytes derived from `k`, so that every get can be checked.
+fn value(k: u64, len: usize) -> Vec<u8> {
+    let mut x = k.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            b'a' + (x % 26) as u8
+        })
+        .collect()
+}
+
+fn key(k: u64) -> String {
+    format!("key:{k:012}")
+}
+
+/// One client connection.
+struct Conn {
+    r: BufReader<TcpStream>,
+    w: TcpStream,
+    server: Server,
+    line: String,
+}
+
+impl Conn {
+    fn open(port: u16, server: Server) -> Result<Conn> {
+        let s = TcpStream::connect(("127.0.0.1", port)).context("connecting to the server")?;
+        s.set_nodelay(true)?;
+        s.set_read_timeout(Some(Duration::from_secs(60)))?;
+        Ok(Conn {
+            r: BufReader::new(s.try_clone()?),
+            w: s,
+            server,
+            line: String::new(),
+        })
+    }
+
+    /// Queues a set (sent by [`flush`](Self::flush)); `out` collects the bytes.
+    fn set_cmd(&self, k: &str, v: &[u8], out: &mut Vec<u8>) {
+        match self.server {
+            Server::Memcached => {
+                out.extend_from_slice(format!("set {k} 0 0 {}\r\n", v.len()).as_bytes());
+            }
+            Server::Redis => {
+                out.extend_from_slice(
+                    format!("*3\r\n$3\r\nSET\r\n${}\r\n{k}\r\n${}\r\n", k.len(), v.len())
+                        .as_bytes(),
+                );
+            }
+        }
+        out.extend_from_slice(v);
+        out.extend_from_slice(b"\r\n");
+    }
+
+    fn read_line(&mut self) -> Result<&str> {
+        self.line.clear();
+        if self.r.read_line(&mut self.line)? == 0 {
+            bail!("the server closed the connection");
+        }
+        Ok(self.line.trim_end())
+    }
+
+    fn expect_stored(&mut self) -> Result<()> {
+        let want = match self.server {
+            Server::Memcached => "STORED",
+            Server::Redis => "+OK",
+        };
+        let l = self.read_line()?;
+        if l != want {
+            bail!("set answered {l:?}");
+        }
+        Ok(())
+    }
+
+    /// Sets several keys in one write, then reads the replies.
+    fn set_many(&mut self, keys: &[u64], len: usize) -> Result<()> {
+        let mut out = Vec::new();
+        for &k in keys {
+            self.set_cmd(&key(k), &value(k, len), &mut out);
+        }
+        self.w.write_all(&out)?;
+        for _ in keys {
+            self.expect_stored()?;
+        }
+        Ok(())
+    }
+
+    /// Gets key `k` into `buf`; false if the server does not have it.
+    fn get(&mut self, k: u64, buf: &mut Vec<u8>) -> Result<bool> {
+        let name = key(k);
+        let req = match self.server {
+            Server::Memcached => format!("get {name}\r\n"),
+            Server::Redis => format!("*2\r\n$3\r\nGET\r\n${}\r\n{name}\r\n", name.len()),
+        };
+        self.w.write_all(req.as_bytes())?;
+        let header = self.read_line()?.to_string();
+        let len = match self.server {
+            Server::Memcached => {
+                if header == "END" {
+                    return Ok(false);
+                }
+                let len = header
+                    .rsplit(' ')
+                    .next()
+                    .and_then(|n| n.parse::<usize>().ok())
+                    .with_context(|| format!("get answered {header:?}"))?;
+                len
+            }
+            Server::Redis => {
+                if header == "$-1" {
+                    return Ok(false);
+                }
+                header
+                    .strip_prefix('$')
+                    .and_then(|n| n.parse::<usize>().ok())
+                    .with_context(|| format!("get answered {header:?}"))?
+            }
+        };
+        buf.resize(len + 2, 0);
+        self.r.read_exact(buf)?;
+        buf.truncate(len);
+        if self.server == Server::Memcached {
+            let end = self.read_line()?;
+            if end != "END" {
+                bail!("get did not end with END: {end:?}");
+            }
+        }
+        Ok(true)
+    }
+}
+
+/// What one run measured.
+#[derive(Serialize, Clone, Default)]
+struct RunRecord {
+    server: String,
+    skew: f64,
+    config: String,
+    rep: usize,
+    ops_per_sec: f64,
+    p50_us: f64,
+    p99_us: f64,
+    gets_verified: u64,
+    load_seconds: f64,
+    peak_dram: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    failed: Option<String>,
+}
+
+#[derive(Serialize)]
+struct Row {
+    server: String,
+    skew: f64,
+    config: String,
+    budget: f64,
+    ops_per_sec: f64,
+    vs_dram: f64,
+    vs_swap: Option<f64>,
+    p50_us: f64,
+    p99_us: f64,
+    p99_vs_dram: f64,
+}
+
+fn free_port() -> Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(l.local_addr()?.port())
+}
+
+/// A server process, killed when dropped.
+struct Running(Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(self.0.id() as i32, libc::SIGKILL) };
+        let _ = self.0.wait();
+    }
+}
+
+fn wait_for(port: u16, child: &mut Child) -> Result<()> {
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(20) {
+        if TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return Ok(());
+        }
+        if let Some(st) = child.try_wait()? {
+            bail!("the server exited at start ({st})");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    bail!("the server did not listen on port {port} within 20 s")
+}
+
+fn percentile(sorted: &[u32], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() as f64 * q).ceil() as usize).clamp(1, sorted.len()) - 1;
+    sorted[i] as f64 / 1e3
+}
+
+/// One run: start the server in `place`, load the dataset, warm up, measure.
+fn one_run(
+    a: &BenchArgs,
+    server: Server,
+    skew: f64,
+    place: &Placement,
+    label: &str,
+) -> Result<RunRecord> {
+    let keys = (a.footprint / a.value_bytes as u64).max(1);
+    let port = free_port()?;
+    let stats = StatsDir::new()?;
+    let mut cmd = server.command(port, a.footprint);
+    place.apply(&mut cmd, &stats.0);
+    let mut child = Running(
+        cmd.spawn()
+            .with_context(|| format!("cannot start {}", server.program()))?,
+    );
+    wait_for(port, &mut child.0)?;
+
+    // Load: every key once, the connections sharing the key range, 32 sets per write.
+    let t0 = Instant::now();
+    let loaded = AtomicU64::new(0);
+    std::thread::scope(|s| -> Result<()> {
+        let handles: Vec<_> = (0..a.clients as u64)
+            .map(|c| {
+                let loaded = &loaded;
+                s.spawn(move || -> Result<()> {
+                    let mut conn = Conn::open(port, server)?;
+                    let mut k = c * 32;
+                    while k < keys {
+                        let batch: Vec<u64> = (k..(k + 32).min(keys)).collect();
+                        conn.set_many(&batch, a.value_bytes)?;
+                        loaded.fetch_add(batch.len() as u64, Ordering::Relaxed);
+                        k += 32 * a.clients as u64;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join()
+                .map_err(|_| anyhow::anyhow!("a load thread panicked"))??;
+        }
+        Ok(())
+    })
+    .with_context(|| format!("{label}: loading the dataset"))?;
+    let load_seconds = t0.elapsed().as_secs_f64();
+    eprintln!(
+        "{label}: loaded {} keys ({} of values) in {load_seconds:.1} s",
+        keys,
+        memtide_engine::size::format(keys * a.value_bytes as u64)
+    );
+
+    // Drive: closed loop per connection; warm-up, then measure.
+    let measuring = AtomicBool::new(false);
+    let stop = AtomicBool::new(false);
+    let zipf = Zipf::new(keys, skew);
+    // Popular keys scattered over the key space (and so over the server's memory).
+    let mut stride = (0x9E37_79B9u64 % keys) | 1;
+    while gcd(stride, keys) != 1 {
+        stride += 2;
+    }
+    let results: Vec<Result<(Vec<u32>, u64, u64)>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..a.clients as u64)
+            .map(|c| {
+                let (measuring, stop, zipf) = (&measuring, &stop, &zipf);
+                s.spawn(move || -> Result<(Vec<u32>, u64, u64)> {
+                    let mut conn = Conn::open(port, server)?;
+                    let mut rng = Rng::new(0x5EED + c);
+                    let mut lat = Vec::with_capacity(1 << 20);
+                    let mut buf = Vec::new();
+                    let (mut ops, mut verified) = (0u64, 0u64);
+                    while !stop.load(Ordering::Relaxed) {
+                        let k = zipf.sample(&mut rng) * stride % keys;
+                        let t = Instant::now();
+                        if rng.unit() < 0.9 {
+                            if !conn.get(k, &mut buf)? {
+                                bail!("key {k} is missing: the server lost it");
+                            }
+                            if buf != value(k, a.value_bytes) {
+                                bail!("key {k} read back a wrong value: data corrupted");
+                            }
+                            verified += 1;
+                        } else {
+                            conn.set_many(&[k], a.value_bytes)?;
+                        }
+                        if measuring.load(Ordering::Relaxed) {
+                            lat.push(t.elapsed().as_nanos().min(u32::MAX as u128) as u32);
+                            ops += 1;
+                        }
+                    }
+                    Ok((lat, ops, verified))
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_secs_f64(a.warmup));
+        measuring.store(true, Ordering::Relaxed);
+        let m0 = Instant::now();
+        std::thread::sleep(Duration::from_secs_f64(a.seconds));
+        measuring.store(false, Ordering::Relaxed);
+        let secs = m0.elapsed().as_secs_f64();
+        stop.store(true, Ordering::Relaxed);
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a client thread panicked")))
+                    .map(|(l, o, v)| (l, (o as f64 / secs) as u64, v))
+            })
+            .collect()
+    });
+    let mut lat = Vec::new();
+    let (mut rate, mut verified) = (0u64, 0u64);
+    for r in results {
+        let (l, o, v) = r.with_context(|| label.to_string())?;
+        lat.extend(l);
+        rate += o;
+        verified += v;
+    }
+    lat.sort_unstable();
+    drop(child);
+    let peak_dram = summary::collect(&stats.0)
+        .main()
+        .map(|(s, _)| s.peak_dram_bytes);
+    Ok(RunRecord {
+        server: server.name().into(),
+        skew,
+        config: String::new(),
+        rep: 0,
+        ops_per_sec: rate as f64,
+        p50_us: percentile(&lat, 0.50),
+        p99_us: percentile(&lat, 0.99),
+        gets_verified: verified,
+        load_seconds,
+        peak_dram,
+        failed: None,
+    })
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.retain(|x| x.is_finite());
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Runs the experiment for `server` under every configuration; prints the table, writes the
+/// plot, and returns the JSON section.
+pub fn run(
+    a: &BenchArgs,
+    server: Server,
+    configs: &[(String, f64, Placement, bool)],
+    zswap: bool,
+) -> Result<serde_json::Value> {
+    eprintln!(
+        "{}: {} of {}-byte values, zipf {:?}, 90% gets / 10% sets, {} connections",
+        server.name(),
+        memtide_engine::size::format(a.footprint),
+        a.value_bytes,
+        a.skews,
+        a.clients
+    );
+    let total = a.reps * a.skews.len() * configs.len();
+    let mut records: Vec<RunRecord> = Vec::new();
+    let started = Instant::now();
+    for rep in 0..a.reps {
+        for &skew in &a.skews {
+            for (name, _, place, zswap_on) in configs {
+                if crate::bench::interrupted() {
+                    bail!("interrupted; settings restored");
+                }
+                if zswap {
+                    crate::bench::set_zswap(*zswap_on)?;
+                }
+                let done = records.len();
+                let eta = if done > 0 {
+                    format!(
+                        ", about {:.0} min left",
+                        started.elapsed().as_secs_f64() / done as f64 * (total - done) as f64
+                            / 60.0
+                    )
+                } else {
+                    String::new()
+                };
+                let label = format!(
+                    "[{}/{total}{eta}] {} zipf {skew} {name}",
+                    done + 1,
+                    server.name()
+                );
+                let mut r = match one_run(a, server, skew, place, &label) {
+                    Ok(r) => r,
+                    Err(e) if matches!(place, Placement::Cgroup { .. }) => {
+                        eprintln!("{label}: failed: {e:#}");
+                        RunRecord {
+                            server: server.name().into(),
+                            skew,
+                            failed: Some(format!("{e:#}")),
+                            ..RunRecord::default()
+                        }
+                    }
+                    Err(e) => return Err(e),
+                };
+                r.config = name.clone();
+                r.rep = rep;
+                if r.failed.is_none() {
+                    eprintln!(
+                        "{label}: {:.0} ops/s, p50 {:.0} µs, p99 {:.0} µs, {} gets verified",
+                        r.ops_per_sec, r.p50_us, r.p99_us, r.gets_verified
+                    );
+                }
+                records.push(r);
+            }
+        }
+    }
+    let med = |skew: f64, c: &str, f: &dyn Fn(&RunRecord) -> f64| {
+        median(
+            records
+                .iter()
+                .filter(|r| r.skew == skew && r.config == c && r.failed.is_none())
+                .map(f)
+                .collect(),
+        )
+    };
+    println!();
+    println!(
+        "{:<9} {:>5} {:<16} {:>10} {:>8} {:>8} {:>9} {:>9} {:>8}",
+        "server", "zipf", "config", "ops/s", "vs DRAM", "vs swap", "p50 µs", "p99 µs", "p99 x"
+    );
+    let mut rows = Vec::new();
+    for &skew in &a.skews {
+        let dram = med(skew, "all-DRAM", &|r| r.ops_per_sec);
+        let dram_p99 = med(skew, "all-DRAM", &|r| r.p99_us);
+        for (c, budget, _, _) in configs {
+            let ops = med(skew, c, &|r| r.ops_per_sec);
+            let vs_swap = c
+                .strip_prefix("memtide ")
+                .map(|pct| ops / med(skew, &format!("Linux swap {pct}"), &|r| r.ops_per_sec))
+                .filter(|v| v.is_finite());
+            let row = Row {
+                server: server.name().into(),
+                skew,
+                config: c.clone(),
+                budget: *budget,
+                ops_per_sec: ops,
+                vs_dram: ops / dram,
+                vs_swap,
+                p50_us: med(skew, c, &|r| r.p50_us),
+                p99_us: med(skew, c, &|r| r.p99_us),
+                p99_vs_dram: med(skew, c, &|r| r.p99_us) / dram_p99,
+            };
+            if ops.is_nan() {
+                println!("{:<9} {:>5} {:<16} {:>10}", row.server, skew, c, "failed");
+            } else {
+                println!(
+                    "{:<9} {:>5} {:<16} {:>10.0} {:>7.3}x {:>8} {:>9.0} {:>9.0} {:>7.2}x",
+                    row.server,
+                    skew,
+                    c,
+                    row.ops_per_sec,
+                    row.vs_dram,
+                    row.vs_swap.map_or("-".into(), |v| format!("{v:.2}x")),
+                    row.p50_us,
+                    row.p99_us,
+                    row.p99_vs_dram
+                );
+            }
+            rows.push(row);
+        }
+    }
+    let mut series = Vec::new();
+    for family in ["memtide", "Linux swap", "zswap"] {
+        for &skew in &a.skews {
+            let points: Vec<(f64, f64)> = rows
+                .iter()
+                .filter(|r| r.skew == skew && r.config.starts_with(family))
+                .map(|r| (r.budget, r.vs_dram))
+                .collect();
+            if !points.is_empty() {
+                series.push(crate::plot::Series {
+                    name: format!("{family}, zipf {skew}"),
+                    points,
+                });
+            }
+        }
+    }
+    let path = PathBuf::from(format!("{}-{}.svg", a.plot.display(), server.name()));
+    crate::plot::Chart {
+        title: format!(
+            "memtide bench: {} over {} of values, ops/s vs all-DRAM",
+            server.name(),
+            memtide_engine::size::format(a.footprint)
+        ),
+        x_label: "DRAM budget, fraction of the dataset".into(),
+        y_label: "ops/s / all-DRAM".into(),
+        x_range: Some((0.0, 1.0)),
+        y_range: None,
+        x_percent: true,
+        y_percent: false,
+        series,
+    }
+    .write(&path)?;
+    eprintln!("plot: {}", path.display());
+    Ok(serde_json::json!({
+        "value_bytes": a.value_bytes,
+        "clients": a.clients,
+        "skews": a.skews,
+        "seconds": a.seconds,
+        "warmup": a.warmup,
+        "rows": rows,
+        "runs": records,
+    }))
+}
