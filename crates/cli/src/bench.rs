@@ -18,6 +18,7 @@ use memtide_engine::size::format as bytes;
 use serde::Serialize;
 
 use crate::demo::{run_workload, Outcome, Placement};
+use crate::report::median;
 use crate::workload::WorkloadArgs;
 use crate::{opts, preflight};
 
@@ -245,19 +246,6 @@ struct Row {
     slow_fraction_median: f64,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
-}
-
 /// p50 of random 4 KiB O_DIRECT reads at queue depth 1 on a file in `dir`, in µs.
 fn raw_read_p50_us(dir: &Path) -> Result<f64> {
     const SIZE: usize = 256 << 20;
@@ -450,8 +438,7 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     }
     drop(guard);
     if let Some(p) = &a.json {
-        std::fs::write(p, serde_json::to_vec_pretty(&report)?)
-            .with_context(|| format!("cannot write {}", p.display()))?;
+        crate::report::write_json(p, &serde_json::Value::Object(report))?;
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -646,21 +633,16 @@ fn micro(
             }
         }
         let path = PathBuf::from(format!("{}-{w}.svg", a.plot.display()));
-        crate::plot::Chart {
-            title: format!(
+        crate::plot::Chart::ratio_vs_budget(
+            format!(
                 "memtide bench: {w} workload over {}, throughput vs all-DRAM",
                 bytes(a.footprint)
             ),
-            x_label: "DRAM budget, fraction of the footprint".into(),
-            y_label: "throughput / all-DRAM".into(),
-            x_range: Some((0.0, 1.0)),
-            y_range: None,
-            x_percent: true,
-            y_percent: false,
+            "DRAM budget, fraction of the footprint",
+            "throughput / all-DRAM",
             series,
-        }
+        )
         .write(&path)?;
-        eprintln!("plot: {}", path.display());
     }
     let fault_p50 = median(
         records

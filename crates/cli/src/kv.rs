@@ -17,6 +17,7 @@ use serde::Serialize;
 
 use crate::bench::BenchArgs;
 use crate::demo::Placement;
+use crate::report::median;
 use crate::run::StatsDir;
 use crate::summary;
 
@@ -438,20 +439,6 @@ fn gcd(a: u64, b: u64) -> u64 {
     }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.retain(|x| x.is_finite());
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
-}
-
 /// Runs the experiment for `server` under every configuration; prints the table, writes the
 /// plot, and returns the JSON section.
 pub fn run(
@@ -592,22 +579,17 @@ pub fn run(
         }
     }
     let path = PathBuf::from(format!("{}-{}.svg", a.plot.display(), server.name()));
-    crate::plot::Chart {
-        title: format!(
+    crate::plot::Chart::ratio_vs_budget(
+        format!(
             "memtide bench: {} over {} of values, ops/s vs all-DRAM",
             server.name(),
             memtide_engine::size::format(a.footprint)
         ),
-        x_label: "DRAM budget, fraction of the dataset".into(),
-        y_label: "ops/s / all-DRAM".into(),
-        x_range: Some((0.0, 1.0)),
-        y_range: None,
-        x_percent: true,
-        y_percent: false,
+        "DRAM budget, fraction of the dataset",
+        "ops/s / all-DRAM",
         series,
-    }
+    )
     .write(&path)?;
-    eprintln!("plot: {}", path.display());
     Ok(serde_json::json!({
         "value_bytes": a.value_bytes,
         "clients": a.clients,

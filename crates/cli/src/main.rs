@@ -12,6 +12,7 @@ mod plan;
 mod plot;
 mod preflight;
 mod probe;
+mod report;
 mod run;
 mod sim;
 mod summary;

@@ -77,6 +77,21 @@ pub fn seconds_or_zero(s: &str) -> Result<f64, String> {
     seconds(s)
 }
 
+/// Parses a rate per second: `5M`, `5M/s`, `200K/s`, `1e6`.
+pub fn rate(s: &str) -> Result<f64, String> {
+    let t = s.trim().trim_end_matches("/s");
+    let (num, mult) = match t.chars().last() {
+        Some('K' | 'k') => (&t[..t.len() - 1], 1e3),
+        Some('M' | 'm') => (&t[..t.len() - 1], 1e6),
+        Some('G' | 'g') => (&t[..t.len() - 1], 1e9),
+        _ => (t, 1.0),
+    };
+    match num.trim().parse::<f64>() {
+        Ok(v) if v > 0.0 && v.is_finite() => Ok(v * mult),
+        _ => Err(format!("`{s}` is not a rate: write 5M/s")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -119,17 +119,7 @@ fn fraction(what: &str, tenant: &str, v: &str) -> Result<f64> {
 }
 
 fn parse_rate(tenant: &str, v: &str) -> Result<f64> {
-    let t = v.trim().trim_end_matches("/s");
-    let (num, mult) = match t.chars().last() {
-        Some('K' | 'k') => (&t[..t.len() - 1], 1e3),
-        Some('M' | 'm') => (&t[..t.len() - 1], 1e6),
-        Some('G' | 'g') => (&t[..t.len() - 1], 1e9),
-        _ => (t, 1.0),
-    };
-    match num.trim().parse::<f64>() {
-        Ok(r) if r > 0.0 && r.is_finite() => Ok(r * mult),
-        _ => bail!("tenant `{tenant}`: rate `{v}`: write accesses per second, like 5M/s"),
-    }
+    opts::rate(v).map_err(|e| anyhow::anyhow!("tenant `{tenant}`: rate: {e}"))
 }
 
 /// A tenant's profile to replay, and what the plan needs to know of it.
@@ -351,13 +341,7 @@ pub fn plan(a: PlanArgs) -> Result<ExitCode> {
         let out = simulate(&p.source, &jobs, &lat, threads, &|done, _| {
             if tty {
                 let d = k * fractions.len() + done;
-                let w = 30;
-                let filled = d * w / total;
-                eprint!(
-                    "\r[{}{}] {d}/{total} replays",
-                    "#".repeat(filled),
-                    " ".repeat(w - filled)
-                );
+                eprint!("\r{} {d}/{total} replays", crate::report::bar(d, total));
                 let _ = std::io::stderr().flush();
             }
         })?;
@@ -506,18 +490,12 @@ pub fn plan(a: PlanArgs) -> Result<ExitCode> {
             points: t.curve.iter().map(|p| (p.fraction, p.loss())).collect(),
         })
         .collect();
-    crate::plot::Chart {
-        title: "Estimated loss vs DRAM per tenant (memtide policy)".into(),
-        x_label: "DRAM, fraction of the tenant's footprint".into(),
-        y_label: "throughput loss vs all-DRAM".into(),
-        x_range: Some((0.0, 1.0)),
-        y_range: Some((0.0, 1.0)),
-        x_percent: true,
-        y_percent: true,
+    crate::plot::Chart::loss_vs_dram(
+        "Estimated loss vs DRAM per tenant (memtide policy)".into(),
+        "DRAM, fraction of the tenant's footprint",
         series,
-    }
+    )
     .write(&a.plot)?;
-    eprintln!("plot: {}", a.plot.display());
     if let Some(p) = &a.json {
         let json = serde_json::json!({
             "host": host,
@@ -526,8 +504,7 @@ pub fn plan(a: PlanArgs) -> Result<ExitCode> {
             "tenants": tenants,
             "plan": plan,
         });
-        std::fs::write(p, serde_json::to_vec_pretty(&json)?)
-            .with_context(|| format!("cannot write {}", p.display()))?;
+        crate::report::write_json(p, &json)?;
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -191,10 +191,45 @@ impl Chart {
         o
     }
 
-    /// Writes the chart to `path`.
+    /// Loss (0–100%) against DRAM as a fraction of memory (0–100%).
+    pub fn loss_vs_dram(title: String, x_label: &str, series: Vec<Series>) -> Chart {
+        Chart {
+            title,
+            x_label: x_label.into(),
+            y_label: "throughput loss vs all-DRAM".into(),
+            x_range: Some((0.0, 1.0)),
+            y_range: Some((0.0, 1.0)),
+            x_percent: true,
+            y_percent: true,
+            series,
+        }
+    }
+
+    /// A ratio to all-DRAM (from 0, fitted) against the DRAM budget (0–100%).
+    pub fn ratio_vs_budget(
+        title: String,
+        x_label: &str,
+        y_label: &str,
+        series: Vec<Series>,
+    ) -> Chart {
+        Chart {
+            title,
+            x_label: x_label.into(),
+            y_label: y_label.into(),
+            x_range: Some((0.0, 1.0)),
+            y_range: None,
+            x_percent: true,
+            y_percent: false,
+            series,
+        }
+    }
+
+    /// Writes the chart to `path` and says where.
     pub fn write(&self, path: &Path) -> Result<()> {
         std::fs::write(path, self.svg())
-            .with_context(|| format!("cannot write the plot {}", path.display()))
+            .with_context(|| format!("cannot write the plot {}", path.display()))?;
+        eprintln!("plot: {}", path.display());
+        Ok(())
     }
 }
 

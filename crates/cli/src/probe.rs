@@ -289,8 +289,7 @@ pub fn probe(a: ProbeArgs) -> Result<ExitCode> {
         rate(report.fault_rate_max)
     );
     if let Some(p) = &a.json {
-        std::fs::write(p, serde_json::to_vec_pretty(&report)?)
-            .with_context(|| format!("cannot write {}", p.display()))?;
+        crate::report::write_json(p, &serde_json::to_value(&report)?)?;
     }
     Ok(ExitCode::SUCCESS)
 }

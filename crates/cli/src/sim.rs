@@ -42,6 +42,10 @@ pub struct SimArgs {
     /// Cost of a tier-1 miss (fault + read + map).
     #[arg(long, value_parser = opts::latency_ns, default_value = "80us")]
     pub tier_latency: f64,
+    /// Accesses per second the program makes at full (all-DRAM) speed, for the tier-1
+    /// bandwidth columns (default: one per --dram-latency).
+    #[arg(long, value_parser = opts::rate)]
+    pub rate: Option<f64>,
     /// Cost of a soft fault on memtide's inactive list.
     #[arg(long, value_parser = opts::latency_ns, default_value = "6us")]
     pub soft_latency: f64,
@@ -180,12 +184,9 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
     let start = std::time::Instant::now();
     let out = simulate(&spec, &jobs, &lat, threads, &|done, total| {
         if tty {
-            let w = 30;
-            let filled = done * w / total.max(1);
             eprint!(
-                "\r[{}{}] {done}/{total} replays",
-                "#".repeat(filled),
-                " ".repeat(w - filled)
+                "\r{} {done}/{total} replays",
+                crate::report::bar(done, total)
             );
             let _ = std::io::stderr().flush();
         }
@@ -194,8 +195,15 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
     if tty {
         eprintln!();
     }
+    // Tier-1 traffic: misses read a page, write-backs write one, at the access rate the
+    // program keeps once slowed down.
+    let full_rate = a.rate.unwrap_or(1e9 / lat.dram_ns);
+    let bandwidth = |events: u64, o: &memtide_sim::Outcome| -> f64 {
+        let rate = full_rate / o.slowdown(&lat);
+        events as f64 / o.accesses.max(1) as f64 * rate * 4096.0 / 1e6
+    };
     println!(
-        "{:<10} {:<8} {:>12} {:>9} {:>8} {:>11} {:>11} {:>9} {:>7}",
+        "{:<10} {:<8} {:>12} {:>9} {:>8} {:>11} {:>11} {:>9} {:>7} {:>9} {:>9}",
         "DRAM",
         "policy",
         "misses",
@@ -204,7 +212,9 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
         "soft faults",
         "writebacks",
         "slowdown",
-        "loss"
+        "loss",
+        "read MB/s",
+        "write MB/s"
     );
     let mut rows = Vec::new();
     for &d in &sizes {
@@ -220,7 +230,7 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
             });
             let slow = o.slowdown(&lat);
             println!(
-                "{:<10} {:<8} {:>12} {:>8.3}% {:>8} {:>11} {:>11} {:>8.2}x {:>6.1}%",
+                "{:<10} {:<8} {:>12} {:>8.3}% {:>8} {:>11} {:>11} {:>8.2}x {:>6.1}% {:>9.1} {:>10.1}",
                 size::format(d * 4096),
                 o.policy,
                 o.misses,
@@ -229,7 +239,9 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
                 o.soft_faults,
                 o.writebacks,
                 slow,
-                (1.0 - 1.0 / slow) * 100.0
+                (1.0 - 1.0 / slow) * 100.0,
+                bandwidth(o.misses, o),
+                bandwidth(o.writebacks, o)
             );
             if o.tenant_accesses.len() > 1 {
                 let per: Vec<String> = (0..o.tenant_accesses.len())
@@ -243,6 +255,8 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
                 "outcome": o,
                 "misses_vs_opt": vs_opt,
                 "slowdown": slow,
+                "tier_read_mb_per_sec": bandwidth(o.misses, o),
+                "tier_write_mb_per_sec": bandwidth(o.writebacks, o),
             }));
         }
     }
@@ -265,18 +279,12 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
                 }
             })
             .collect();
-        crate::plot::Chart {
-            title: format!("Estimated loss vs DRAM — {label}"),
-            x_label: "DRAM, fraction of the footprint".into(),
-            y_label: "throughput loss vs all-DRAM".into(),
-            x_range: Some((0.0, 1.0)),
-            y_range: Some((0.0, 1.0)),
-            x_percent: true,
-            y_percent: true,
+        crate::plot::Chart::loss_vs_dram(
+            format!("Estimated loss vs DRAM — {label}"),
+            "DRAM, fraction of the footprint",
             series,
-        }
+        )
         .write(&a.plot)?;
-        eprintln!("plot: {}", a.plot.display());
     }
     // Bytes of state per page, the most any size needed, per policy.
     let state: Vec<String> = policies
@@ -310,10 +318,10 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
             "workload": label,
             "pages": pages,
             "latency": lat,
+            "rate": full_rate,
             "results": rows,
         });
-        std::fs::write(p, serde_json::to_vec_pretty(&json)?)
-            .with_context(|| format!("cannot write {}", p.display()))?;
+        crate::report::write_json(p, &json)?;
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -75,6 +75,12 @@ fn replay_writes_json_with_opt_lowest() {
         }
         for r in &at {
             assert_eq!(r["outcome"]["accesses"].as_u64(), Some(2_000_000));
+            // Tier-1 read bandwidth: a page per miss at the (slowed) access rate.
+            let o = &r["outcome"];
+            let misses = o["misses"].as_f64().unwrap();
+            let want = misses / 2e6 * 1e7 / r["slowdown"].as_f64().unwrap() * 4096.0 / 1e6;
+            let got = r["tier_read_mb_per_sec"].as_f64().unwrap();
+            assert!((got - want).abs() <= want * 1e-9 + 1e-9, "{got} vs {want}");
         }
     }
 }

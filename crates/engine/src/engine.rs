@@ -502,14 +502,30 @@ impl Engine {
             self.uffd
                 .move_pages(self.addr_of(p), self.stage_addr(s), PAGE_SIZE)
         };
-        if res.is_err() {
+        if let Err(e) = res {
             // Fall back to a copy; the staging page stays until the evictor zaps its slot.
             // SAFETY: the staging page is mapped and readable; the arena page is ours.
             if let Err(e2) = unsafe {
                 self.uffd
                     .copy(self.addr_of(p), self.stage_addr(s), PAGE_SIZE)
             } {
-                fatal("moving an inactive page back failed", &e2.error);
+                fatal_with(
+                    "moving an inactive page back failed",
+                    &[
+                        ("move errno", e.error.raw_os_error().unwrap_or(0) as u64),
+                        ("page", p as u64),
+                        ("slot", s as u64),
+                        ("ring slots", self.ring_slots),
+                        (
+                            "entry",
+                            self.ring_entry(s as u64).load(Ordering::Relaxed) as u64,
+                        ),
+                        ("tail", self.ring_tail.load(Ordering::Relaxed)),
+                        ("head", self.ring_head.load(Ordering::Relaxed)),
+                        ("word", old.0 as u64),
+                    ],
+                    &e2.error,
+                );
             }
         }
         self.pt.set_stage(p, NONE);
@@ -1631,42 +1647,53 @@ impl Drop for Pinned<'_> {
 /// The engine cannot keep the program's data correct: say why and abort, rather than let the
 /// program run on with wrong bytes. Async-signal-safe (no allocation).
 fn fatal(what: &str, e: &io::Error) -> ! {
-    let mut buf = [0u8; 256];
-    let mut n = 0;
-    for part in [
-        b"memtide: fatal: ".as_slice(),
-        what.as_bytes(),
-        b" (errno ".as_slice(),
-    ] {
-        let take = part.len().min(buf.len() - n);
-        buf[n..n + take].copy_from_slice(&part[..take]);
-        n += take;
+    fatal_with(what, &[], e)
+}
+
+/// [`fatal`], naming some numbers that tell what state the engine was in.
+fn fatal_with(what: &str, facts: &[(&str, u64)], e: &io::Error) -> ! {
+    struct Buf {
+        b: [u8; 512],
+        n: usize,
     }
-    let mut code = e.raw_os_error().unwrap_or(0).unsigned_abs();
-    let mut digits = [0u8; 10];
-    let mut d = 0;
-    loop {
-        digits[d] = b'0' + (code % 10) as u8;
-        d += 1;
-        code /= 10;
-        if code == 0 {
-            break;
+    impl Buf {
+        fn put(&mut self, s: &[u8]) {
+            let take = s.len().min(self.b.len() - self.n);
+            self.b[self.n..self.n + take].copy_from_slice(&s[..take]);
+            self.n += take;
+        }
+        fn num(&mut self, mut v: u64) {
+            let mut digits = [0u8; 20];
+            let mut d = 0;
+            loop {
+                digits[d] = b'0' + (v % 10) as u8;
+                d += 1;
+                v /= 10;
+                if v == 0 {
+                    break;
+                }
+            }
+            while d > 0 {
+                d -= 1;
+                self.put(&digits[d..d + 1]);
+            }
         }
     }
-    while d > 0 && n < buf.len() {
-        d -= 1;
-        buf[n] = digits[d];
-        n += 1;
+    let mut buf = Buf { b: [0; 512], n: 0 };
+    buf.put(b"memtide: fatal: ");
+    buf.put(what.as_bytes());
+    buf.put(b" (errno ");
+    buf.num(e.raw_os_error().unwrap_or(0).unsigned_abs() as u64);
+    for (name, v) in facts {
+        buf.put(b", ");
+        buf.put(name.as_bytes());
+        buf.put(b" ");
+        buf.num(*v);
     }
-    for &b in b")\n" {
-        if n < buf.len() {
-            buf[n] = b;
-            n += 1;
-        }
-    }
+    buf.put(b")\n");
     // SAFETY: writing our own buffer to stderr; abort never returns.
     unsafe {
-        libc::syscall(libc::SYS_write, 2, buf.as_ptr(), n);
+        libc::syscall(libc::SYS_write, 2, buf.b.as_ptr(), buf.n);
         libc::abort();
     }
 }

@@ -75,6 +75,14 @@ impl Run {
     }
 }
 
+/// Next value of a xorshift generator (random offsets).
+fn xorshift(x: &mut u64) -> u64 {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    *x
+}
+
 /// The test file.
 pub struct ProbeFile {
     fd: OwnedFd,
@@ -230,10 +238,7 @@ impl ProbeFile {
         let mut last_tick = t0;
         let mut next_offset = |seq: &mut u64| -> Option<u64> {
             if pattern.random() {
-                rng ^= rng << 13;
-                rng ^= rng >> 7;
-                rng ^= rng << 17;
-                Some((rng % blocks) * block as u64)
+                Some((xorshift(&mut rng) % blocks) * block as u64)
             } else if *seq < blocks {
                 *seq += 1;
                 Some((*seq - 1) * block as u64)
@@ -334,10 +339,7 @@ impl ProbeFile {
                         let mut run = Run::default();
                         while Instant::now() < end {
                             let off = if pattern.random() {
-                                rng ^= rng << 13;
-                                rng ^= rng >> 7;
-                                rng ^= rng << 17;
-                                (rng % blocks) * block as u64
+                                (xorshift(&mut rng) % blocks) * block as u64
                             } else {
                                 let b = next_seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                                 if b >= blocks {
