@@ -14,6 +14,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use memtide_engine::probe::{Pattern, ProbeFile};
 use memtide_engine::size::format as bytes;
 use serde::Serialize;
 
@@ -246,51 +247,22 @@ struct Row {
     slow_fraction_median: f64,
 }
 
-/// p50 of random 4 KiB O_DIRECT reads at queue depth 1 on a file in `dir`, in µs.
+/// p50 of random 4 KiB O_DIRECT reads at queue depth 1 on a file in `dir`, in µs (the
+/// probe's measurement, shorter).
 fn raw_read_p50_us(dir: &Path) -> Result<f64> {
-    const SIZE: usize = 256 << 20;
-    let path = dir.join(format!(".memtide-bench-raw-{}", std::process::id()));
-    let c = CString::new(path.as_os_str().as_bytes())?;
-    // SAFETY: our own file; buffers are aligned mappings; all calls checked.
-    unsafe {
-        let fd = libc::open(
-            c.as_ptr(),
-            libc::O_RDWR | libc::O_CREAT | libc::O_TRUNC | libc::O_DIRECT,
-            0o600,
-        );
-        libc::unlink(c.as_ptr());
-        if fd < 0 {
-            bail!("cannot open a raw O_DIRECT file in {}", dir.display());
-        }
-        let chunk = 1 << 20;
-        let buf = libc::mmap(
-            std::ptr::null_mut(),
-            chunk,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        );
-        std::ptr::write_bytes(buf as *mut u8, 0xA5, chunk);
-        for off in (0..SIZE).step_by(chunk) {
-            libc::pwrite(fd, buf, chunk, off as libc::off_t);
-        }
-        let mut lat = Vec::with_capacity(4000);
-        let mut x = 0x1234_5678_9abc_def1u64;
-        let start = Instant::now();
-        while lat.len() < 4000 && start.elapsed().as_secs_f64() < 3.0 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let off = (x % (SIZE as u64 / 4096)) * 4096;
-            let t = Instant::now();
-            libc::pread(fd, buf, 4096, off as libc::off_t);
-            lat.push(t.elapsed().as_secs_f64() * 1e6);
-        }
-        libc::munmap(buf, chunk);
-        libc::close(fd);
-        Ok(median(lat))
-    }
+    let file = ProbeFile::create(dir, 256 << 20, false)?;
+    let d = std::time::Duration::from_secs(600);
+    file.run(Pattern::SequentialWrite, 4, 1 << 20, d, &|_| {})?;
+    let run = file.run(
+        Pattern::RandomRead,
+        1,
+        4096,
+        std::time::Duration::from_secs(3),
+        &|_| {},
+    )?;
+    Ok(median(
+        run.latencies_ns.iter().map(|&ns| ns as f64 / 1e3).collect(),
+    ))
 }
 
 pub fn bench(a: BenchArgs) -> Result<ExitCode> {

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use memtide_sim::workload::{Rng, Zipf};
+use memtide_sim::workload::{scatter_stride, Rng, Zipf};
 use serde::Serialize;
 
 use crate::bench::BenchArgs;
@@ -350,10 +350,7 @@ fn one_run(
     let stop = AtomicBool::new(false);
     let zipf = Zipf::new(keys, skew);
     // Popular keys scattered over the key space (and so over the server's memory).
-    let mut stride = (0x9E37_79B9u64 % keys) | 1;
-    while gcd(stride, keys) != 1 {
-        stride += 2;
-    }
+    let stride = scatter_stride(keys);
     let results: Vec<Result<(Vec<u32>, u64, u64)>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..a.clients as u64)
             .map(|c| {
@@ -429,14 +426,6 @@ fn one_run(
         peak_dram,
         failed: None,
     })
-}
-
-fn gcd(a: u64, b: u64) -> u64 {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
-    }
 }
 
 /// Runs the experiment for `server` under every configuration; prints the table, writes the

@@ -399,6 +399,17 @@ fn n_pages_per(pages: u64, tenants: u64) -> u64 {
     pages / tenants.max(1)
 }
 
+/// A stride coprime with `n`: `rank * stride mod n` visits every one of `n` places once,
+/// spreading popular ranks over the whole space.
+pub fn scatter_stride(n: u64) -> u64 {
+    let n = n.max(1);
+    let mut stride = (0x9E37_79B9u64 % n) | 1;
+    while gcd(stride, n) != 1 {
+        stride += 2;
+    }
+    stride
+}
+
 fn gcd(a: u64, b: u64) -> u64 {
     if b == 0 {
         a
@@ -420,10 +431,7 @@ pub struct Generator {
 impl Generator {
     fn new(spec: &Spec) -> Generator {
         let n = spec.pages.max(1);
-        let mut stride = (0x9E37_79B9u64 % n) | 1;
-        while gcd(stride, n) != 1 {
-            stride += 2;
-        }
+        let stride = scatter_stride(n);
         Generator {
             zipf: match spec.kind {
                 Kind::Zipf { skew } => Some(Zipf::new(n, skew)),
