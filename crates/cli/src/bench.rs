@@ -19,7 +19,7 @@ use memtide_engine::size::format as bytes;
 use serde::Serialize;
 
 use crate::demo::{run_workload, Outcome, Placement};
-use crate::report::median;
+use crate::report::{median, step_label};
 use crate::workload::WorkloadArgs;
 use crate::{opts, preflight};
 
@@ -27,7 +27,9 @@ use crate::{opts, preflight};
 pub struct BenchArgs {
     /// Experiments to run: `micro` (the built-in workload), `memcached` and `redis` (a
     /// dataset of --footprint bytes of values, zipf-distributed keys, 90% gets and 10% sets,
-    /// over loopback from memtide's own load generator).
+    /// over loopback from memtide's own load generator), `density` (how many tenants fit in
+    /// --host-dram while each keeps 90% / 95% of its all-DRAM throughput) and `noisy` (a
+    /// tenant beside one streaming over a large cold footprint, each with its own budget).
     #[arg(long, value_delimiter = ',', default_value = "micro")]
     pub experiments: Vec<String>,
     /// Memory each workload run touches (for memcached and redis: bytes of values stored).
@@ -45,14 +47,39 @@ pub struct BenchArgs {
     /// DRAM budgets, as percentages of the footprint.
     #[arg(long, value_delimiter = ',', value_parser = opts::percent, default_value = "75,50,25")]
     pub budgets: Vec<f64>,
-    /// Workloads: `green` (10% of pages take 99% of accesses: the active set is at most half
-    /// of every budget down to 20%), `red` (80% of pages take 99%: the active set is larger
-    /// than DRAM) and `uniform`.
-    #[arg(long, value_delimiter = ',', default_value = "green,red,uniform")]
+    /// Workloads: `green` (10% of pages take all accesses but 1 in 100,000, which go
+    /// anywhere: the active set is at most half of every budget down to 20%), `skewed` (10% of
+    /// pages take 99% and the other 1% go anywhere: every page is touched every few seconds,
+    /// so the active set is the whole footprint), `red` (80% of pages take 99%: the active
+    /// set is larger than DRAM) and `uniform`.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "green,skewed,red,uniform"
+    )]
     pub workloads: Vec<String>,
     /// Worker threads of the workload; every count is run.
     #[arg(long, value_delimiter = ',', default_value = "1,2")]
     pub threads: Vec<usize>,
+    /// Density: the DRAM the tenants share (split evenly among them under memtide and Linux
+    /// swap; all-DRAM fits as many tenants as this holds).
+    #[arg(long, value_parser = opts::nonzero_size, default_value = "512MiB")]
+    pub host_dram: u64,
+    /// Density: memory each tenant touches; noisy: the sensitive tenant's.
+    #[arg(long, value_parser = opts::nonzero_size, default_value = "256MiB")]
+    pub tenant_footprint: u64,
+    /// Density: the numbers of tenants to try.
+    #[arg(long, value_delimiter = ',', default_value = "2,4,8,12,16,18,20")]
+    pub tenants: Vec<usize>,
+    /// Density: the load each tenant serves, in accesses/s (the green workload, paced).
+    #[arg(long, value_parser = opts::rate, default_value = "100K/s")]
+    pub tenant_rate: f64,
+    /// Noisy: memory the streaming neighbour sweeps over.
+    #[arg(long, value_parser = opts::nonzero_size, default_value = "2GiB")]
+    pub neighbour_footprint: u64,
+    /// Noisy: each tenant's DRAM budget, as a percentage of the sensitive tenant's footprint.
+    #[arg(long, value_parser = opts::percent, default_value = "50")]
+    pub tenant_dram: f64,
     /// Directory for memtide's tier file and Linux's swap file (the same device for both).
     #[arg(long, default_value = "/var/tmp")]
     pub tier: PathBuf,
@@ -81,9 +108,10 @@ pub struct BenchArgs {
 }
 
 /// A workload of the microbenchmark: which share of pages gets which share of accesses.
-fn workload_shape(name: &str) -> Option<(f64, f64)> {
+pub fn workload_shape(name: &str) -> Option<(f64, f64)> {
     match name {
-        "green" | "skewed" => Some((0.10, 0.99)),
+        "green" => Some((0.10, 0.99999)),
+        "skewed" => Some((0.10, 0.99)),
         "red" => Some((0.80, 0.99)),
         "uniform" => Some((1.0, 1.0)),
         _ => None,
@@ -136,6 +164,23 @@ impl Drop for Guard {
     }
 }
 
+/// Memory cgroups for tenants run side by side (Linux swap's placement); each run sets the
+/// limits it needs.
+pub struct TenantCgroups {
+    dirs: Vec<PathBuf>,
+    limit_file: &'static str,
+}
+
+impl TenantCgroups {
+    /// Limits tenant `i`'s cgroup to `bytes`; returns the file that takes the tenant's pid.
+    pub fn limit(&self, i: usize, bytes: u64) -> Result<PathBuf> {
+        let dir = &self.dirs[i];
+        std::fs::write(dir.join(self.limit_file), bytes.to_string())
+            .with_context(|| format!("cannot set the memory limit of {}", dir.display()))?;
+        Ok(dir.join("cgroup.procs"))
+    }
+}
+
 /// Where the memory controller is and how to limit a cgroup.
 struct MemCgroup {
     dir: PathBuf,
@@ -172,7 +217,7 @@ fn run_cmd(cmd: &mut Command, what: &str) -> Result<()> {
 }
 
 /// Sets up Linux swap: a swap file on the tier filesystem, zswap off, a cgroup per budget.
-fn setup_swap(a: &BenchArgs, guard: &mut Guard) -> Result<MemCgroup> {
+fn setup_swap(a: &BenchArgs, swap_bytes: u64, guard: &mut Guard) -> Result<MemCgroup> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         bail!("the Linux-swap configurations need root (swapon, cgroups); run as root or with --no-swap");
@@ -189,7 +234,7 @@ fn setup_swap(a: &BenchArgs, guard: &mut Guard) -> Result<MemCgroup> {
         .tier
         .join(format!("memtide-bench-{}.swap", std::process::id()));
     guard.0.push(Restore::Swapfile(swap.clone()));
-    let size = a.footprint + (256 << 20);
+    let size = swap_bytes + (256 << 20);
     let f = std::fs::File::create(&swap)
         .with_context(|| format!("cannot create {}", swap.display()))?;
     // Swap files must be fully allocated.
@@ -270,10 +315,10 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
         bail!("--reps must be at least 1");
     }
     for e in &a.experiments {
-        if !["micro", "memcached", "redis"].contains(&e.as_str()) {
-            bail!("unknown experiment `{e}`: choose micro, memcached, redis");
+        if !["micro", "memcached", "redis", "density", "noisy"].contains(&e.as_str()) {
+            bail!("unknown experiment `{e}`: choose micro, memcached, redis, density, noisy");
         }
-        if e != "micro" {
+        if ["memcached", "redis"].contains(&e.as_str()) {
             crate::kv::Server::from_name(e)
                 .expect("known")
                 .check_installed()?;
@@ -290,14 +335,46 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     }
     for w in &a.workloads {
         if workload_shape(w).is_none() {
-            bail!("unknown workload `{w}`: choose green, red, uniform");
+            bail!("unknown workload `{w}`: choose green, skewed, red, uniform");
         }
     }
     if a.threads.is_empty() || a.threads.iter().any(|&t| t == 0 || t > 64) {
         bail!("--threads: give thread counts from 1 to 64");
     }
+    let has = |e: &str| a.experiments.iter().any(|x| x == e);
     if a.footprint > preflight::machine_memory() / 2 {
         bail!("--footprint {} is more than half this machine's memory; the all-DRAM runs need it all in DRAM", bytes(a.footprint));
+    }
+    let most_tenants = a.tenants.iter().copied().max().unwrap_or(0);
+    if has("density") {
+        if a.tenants.is_empty() || a.tenants.iter().any(|&n| n == 0 || n > 64) {
+            bail!("--tenants: give numbers of tenants from 1 to 64, like 2,4,8");
+        }
+        if a.host_dram / (most_tenants as u64) < 1 << 20 {
+            bail!(
+                "--host-dram {} split among {most_tenants} tenants leaves less than 1 MiB each",
+                bytes(a.host_dram)
+            );
+        }
+        let all = a.tenant_footprint * most_tenants as u64;
+        if all > preflight::machine_memory() / 2 {
+            bail!("{most_tenants} tenants of {} need {} for the all-DRAM runs, more than half this machine's memory; lower --tenants or --tenant-footprint", bytes(a.tenant_footprint), bytes(all));
+        }
+    }
+    if has("noisy") && a.tenant_footprint + a.neighbour_footprint > preflight::machine_memory() / 2
+    {
+        bail!("--tenant-footprint plus --neighbour-footprint is more than half this machine's memory; the all-DRAM runs need it all in DRAM");
+    }
+    // The most memory any one run puts in tier 1 or swap.
+    let mut swap_bytes = 0;
+    if has("micro") || has("memcached") || has("redis") {
+        swap_bytes = a.footprint;
+    }
+    if has("density") {
+        swap_bytes = swap_bytes.max(a.tenant_footprint * most_tenants as u64);
+    }
+    if has("noisy") {
+        swap_bytes = swap_bytes.max(a.tenant_footprint + a.neighbour_footprint);
     }
     let budgets: Vec<u64> = a
         .budgets
@@ -307,7 +384,7 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     for &b in &budgets {
         preflight::check_dram(b)?;
     }
-    preflight::check_tier(&a.tier, Some(a.footprint))?;
+    preflight::check_tier(&a.tier, Some(swap_bytes))?;
     preflight::check_uffd()?;
     let preload = preflight::find_preload()?;
     // SAFETY: installing an async-signal-safe handler; children still get the terminal's
@@ -326,7 +403,7 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     let cg = if a.no_swap {
         None
     } else {
-        Some(setup_swap(&a, &mut guard)?)
+        Some(setup_swap(&a, swap_bytes, &mut guard)?)
     };
     // One cgroup per budget, created now so a failure stops us before any run.
     let mut cgroups = Vec::new();
@@ -343,21 +420,51 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
             cgroups.push(dir.join("cgroup.procs"));
         }
     }
+    // One cgroup per tenant of the multi-tenant experiments; each run sets its limit.
+    let tenant_cgroups = match &cg {
+        Some(cg) if has("density") || has("noisy") => {
+            let mut dirs = Vec::new();
+            for i in 0..most_tenants.max(2) {
+                let dir = cg
+                    .dir
+                    .join(format!("memtide-bench-{}-tenant{i}", std::process::id()));
+                std::fs::create_dir(&dir)
+                    .with_context(|| format!("cannot create cgroup {}", dir.display()))?;
+                guard.0.push(Restore::Cgroup(dir.clone()));
+                dirs.push(dir);
+            }
+            Some(TenantCgroups {
+                dirs,
+                limit_file: cg.limit_file,
+            })
+        }
+        _ => None,
+    };
 
     eprintln!(
-        "memtide bench: {} footprint; budgets {}; {} reps of {:.0}+{:.0} s; tier and swap in {}",
-        bytes(a.footprint),
-        budgets
-            .iter()
-            .map(|b| bytes(*b))
-            .collect::<Vec<_>>()
-            .join(", "),
+        "memtide bench: {}; {} reps of {:.0}+{:.0} s; tier and swap in {}",
+        a.experiments.join(", "),
         a.reps,
         a.warmup,
         a.seconds,
         a.tier.display()
     );
-    let raw_p50 = raw_read_p50_us(&a.tier).ok();
+    if has("micro") || has("memcached") || has("redis") {
+        eprintln!(
+            "  {} footprint; DRAM budgets {}",
+            bytes(a.footprint),
+            budgets
+                .iter()
+                .map(|b| bytes(*b))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    let raw_p50 = if has("micro") {
+        raw_read_p50_us(&a.tier).ok()
+    } else {
+        None
+    };
     let zswap = !a.no_swap && !a.no_zswap && Path::new(ZSWAP).exists();
     if !a.no_swap && !a.no_zswap && !zswap {
         eprintln!("memtide: this kernel has no zswap; skipping the zswap configurations");
@@ -404,6 +511,21 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
             "micro" => micro(&a, &configs, zswap, raw_p50)?,
             "memcached" => crate::kv::run(&a, crate::kv::Server::Memcached, &configs.0, zswap)?,
             "redis" => crate::kv::run(&a, crate::kv::Server::Redis, &configs.0, zswap)?,
+            "density" | "noisy" => {
+                if zswap {
+                    set_zswap(false)?;
+                }
+                let host = crate::tenants::Host {
+                    tier: &a.tier,
+                    preload: &preload,
+                    cgroups: tenant_cgroups.as_ref(),
+                };
+                if e == "density" {
+                    crate::tenants::density(&a, &host)?
+                } else {
+                    crate::tenants::noisy(&a, &host)?
+                }
+            }
             _ => unreachable!("checked above"),
         };
         report.insert(e.clone(), section);
@@ -441,6 +563,8 @@ fn micro(
                     seconds: a.seconds,
                     warmup: a.warmup,
                     threads,
+                    rate: 0.0,
+                    scan: false,
                     seed: 42 + rep as u64,
                 };
                 for (name, _, place, zswap_on) in configs {
@@ -450,16 +574,10 @@ fn micro(
                     if zswap {
                         set_zswap(*zswap_on)?;
                     }
-                    let done = records.len();
-                    let eta = if done > 0 {
-                        let left = started.elapsed().as_secs_f64() / done as f64
-                            * (total_runs - done) as f64;
-                        format!(", about {:.0} min left", left / 60.0)
-                    } else {
-                        String::new()
-                    };
-                    let label =
-                        format!("[{}/{total_runs}{eta}] {wname} {threads}t {name}", done + 1);
+                    let label = format!(
+                        "{} {wname} {threads}t {name}",
+                        step_label(records.len(), total_runs, started)
+                    );
                     let o: Outcome = match run_workload(&label, &w, place) {
                         Ok(o) => o,
                         // Linux may kill a workload in its cgroup (out of memory with the

@@ -102,6 +102,16 @@ pub struct Outcome {
 
 /// Runs the built-in workload in a child process, showing progress on stderr under `label`.
 pub fn run_workload(label: &str, w: &WorkloadArgs, place: &Placement) -> Result<Outcome> {
+    run_workload_showing(label, w, place, true)
+}
+
+/// [`run_workload`] with the progress lines on or off (off when several run at once).
+pub fn run_workload_showing(
+    label: &str,
+    w: &WorkloadArgs,
+    place: &Placement,
+    show: bool,
+) -> Result<Outcome> {
     let exe = std::env::current_exe().context("cannot locate the memtide binary")?;
     let mut cmd = Command::new(exe);
     cmd.args(w.to_args())
@@ -112,7 +122,7 @@ pub fn run_workload(label: &str, w: &WorkloadArgs, place: &Placement) -> Result<
     let start = Instant::now();
     let mut child = cmd.spawn().context("cannot start the workload")?;
     let out = child.stdout.take().expect("piped stdout");
-    let tty = std::io::stderr().is_terminal();
+    let tty = show && std::io::stderr().is_terminal();
     let mut result = None;
     let mut last_print = Instant::now();
     for line in BufReader::new(out).lines() {
@@ -144,7 +154,7 @@ pub fn run_workload(label: &str, w: &WorkloadArgs, place: &Placement) -> Result<
                 if tty {
                     eprint!("\r\x1b[2K{msg}");
                     let _ = std::io::stderr().flush();
-                } else if last_print.elapsed().as_secs_f64() > 2.0 {
+                } else if show && last_print.elapsed().as_secs_f64() > 2.0 {
                     last_print = Instant::now();
                     eprintln!("{msg}");
                 }
@@ -202,6 +212,8 @@ pub fn demo(a: DemoArgs) -> Result<ExitCode> {
         seconds: a.seconds,
         warmup: a.warmup,
         threads: 1,
+        rate: 0.0,
+        scan: false,
         seed: 42,
     };
     let pct = a.dram as f64 * 100.0 / a.footprint as f64;

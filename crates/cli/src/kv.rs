@@ -456,19 +456,9 @@ pub fn run(
                 if zswap {
                     crate::bench::set_zswap(*zswap_on)?;
                 }
-                let done = records.len();
-                let eta = if done > 0 {
-                    format!(
-                        ", about {:.0} min left",
-                        started.elapsed().as_secs_f64() / done as f64 * (total - done) as f64
-                            / 60.0
-                    )
-                } else {
-                    String::new()
-                };
                 let label = format!(
-                    "[{}/{total}{eta}] {} zipf {skew} {name}",
-                    done + 1,
+                    "{} {} zipf {skew} {name}",
+                    crate::report::step_label(records.len(), total, started),
                     server.name()
                 );
                 let mut r = match one_run(a, server, skew, place, &label) {

@@ -16,6 +16,7 @@ mod report;
 mod run;
 mod sim;
 mod summary;
+mod tenants;
 mod workload;
 
 use std::process::ExitCode;

@@ -26,6 +26,16 @@ pub fn bar(done: usize, total: usize) -> String {
     format!("[{}{}]", "#".repeat(filled), " ".repeat(w - filled))
 }
 
+/// `[k/total, about N min left]`: where a long series of runs is, the estimate from the runs
+/// done so far.
+pub fn step_label(done: usize, total: usize, started: std::time::Instant) -> String {
+    if done == 0 {
+        return format!("[1/{total}]");
+    }
+    let left = started.elapsed().as_secs_f64() / done as f64 * (total - done) as f64;
+    format!("[{}/{total}, about {:.0} min left]", done + 1, left / 60.0)
+}
+
 /// Writes `value` as pretty JSON to `path`.
 pub fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
     std::fs::write(path, serde_json::to_vec_pretty(value)?)

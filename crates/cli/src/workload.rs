@@ -12,6 +12,8 @@ use anyhow::{bail, Result};
 use clap::Args;
 use serde::{Deserialize, Serialize};
 
+use memtide_engine::stats::LatencyHistogram;
+
 use crate::opts;
 
 const PAGE: usize = 4096;
@@ -20,6 +22,10 @@ const MAGIC: u64 = 0x6D65_6D74_6964_6521;
 const SAMPLE: u64 = 64;
 /// An access slower than this is counted as slow (a tier-1 or swap fault, not a cache miss).
 const SLOW_NS: u64 = 20_000;
+/// Accesses between checks of the clock (stop, pacing).
+const CHUNK: u64 = 1024;
+/// The most load a paced thread that fell behind makes up for.
+const MAX_BACKLOG: Duration = Duration::from_millis(50);
 
 #[derive(Args, Debug, Clone)]
 pub struct WorkloadArgs {
@@ -45,6 +51,13 @@ pub struct WorkloadArgs {
     /// Threads doing accesses.
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
+    /// Accesses per second per thread (a tenant serving a given load); 0: as fast as it can.
+    #[arg(long, default_value_t = 0.0)]
+    pub rate: f64,
+    /// Sweep the pages in order instead of picking them at random (a tenant streaming over
+    /// its memory).
+    #[arg(long)]
+    pub scan: bool,
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
 }
@@ -61,8 +74,12 @@ impl WorkloadArgs {
             format!("--seconds={}", self.seconds),
             format!("--warmup={}", self.warmup),
             format!("--threads={}", self.threads),
+            format!("--rate={}", self.rate),
             format!("--seed={}", self.seed),
         ]
+        .into_iter()
+        .chain(self.scan.then(|| "--scan".to_string()))
+        .collect()
     }
 }
 
@@ -87,6 +104,11 @@ pub struct WorkloadResult {
     pub accesses: u64,
     pub throughput: f64,
     pub slow_fraction: f64,
+    /// Latency of one access, sampled 1 in 64, in µs (p50 and p99).
+    #[serde(default)]
+    pub p50_us: f64,
+    #[serde(default)]
+    pub p99_us: f64,
     pub verified_pages: u64,
     pub mismatches: u64,
 }
@@ -126,6 +148,9 @@ pub fn main(a: WorkloadArgs) -> Result<ExitCode> {
     let len = pages * PAGE;
     if a.threads == 0 {
         bail!("--threads must be at least 1");
+    }
+    if !(a.rate >= 0.0 && a.rate.is_finite()) {
+        bail!("--rate must be 0 (as fast as possible) or a positive number of accesses/s");
     }
     // SAFETY: a fresh private anonymous mapping; under memtide it becomes managed memory.
     let base = unsafe {
@@ -181,20 +206,46 @@ pub fn main(a: WorkloadArgs) -> Result<ExitCode> {
     let slow = AtomicU64::new(0);
     let mismatches = AtomicU64::new(0);
     let measured = AtomicU64::new(0);
+    let measuring = AtomicBool::new(false);
+    let latency = LatencyHistogram::default();
     let run_time = std::sync::Mutex::new(0.0f64);
     let t1 = Instant::now();
     std::thread::scope(|s| {
         for t in 0..a.threads {
             let (stop, accesses, sampled, slow, mismatches, shadow) =
                 (&stop, &accesses, &sampled, &slow, &mismatches, &shadow);
+            let (measuring, latency) = (&measuring, &latency);
             let a = &a;
             s.spawn(move || {
                 let mut rng = Rng(a.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (t as u64 + 1) | 1);
                 let mut n = 0u64;
+                let mut next_page = t * pages / a.threads;
+                // Pacing: accesses since `origin`, and whether the measured phase had begun
+                // when the origin was last set.
+                let (mut origin, mut paced, mut origin_measuring) = (Instant::now(), 0u64, false);
                 while !stop.load(Ordering::Relaxed) {
-                    for _ in 0..1024 {
+                    if a.rate > 0.0 {
+                        // This chunk is due when the previous ones would have taken at the
+                        // offered rate. A thread that fell behind runs without sleeping, but
+                        // catches up at most MAX_BACKLOG of load (the rest of the load it
+                        // missed is lost, as a client's timed-out requests are); the measured
+                        // phase starts with no backlog, so no tenant serves more than its rate.
+                        let now_measuring = measuring.load(Ordering::Relaxed);
+                        let due = Duration::from_secs_f64(paced as f64 / a.rate);
+                        let elapsed = origin.elapsed();
+                        if now_measuring != origin_measuring || elapsed > due + MAX_BACKLOG {
+                            (origin, paced, origin_measuring) = (Instant::now(), 0, now_measuring);
+                        } else if let Some(wait) = due.checked_sub(elapsed) {
+                            std::thread::sleep(wait);
+                        }
+                        paced += CHUNK;
+                    }
+                    for _ in 0..CHUNK {
                         let r = rng.next();
-                        let p = if rng.unit() < a.hot_share {
+                        let p = if a.scan {
+                            next_page = (next_page + 1) % pages;
+                            next_page
+                        } else if rng.unit() < a.hot_share {
                             ((r % hot_pages).wrapping_mul(stride) % pages as u64) as usize
                         } else {
                             (r % pages as u64) as usize
@@ -213,14 +264,18 @@ pub fn main(a: WorkloadArgs) -> Result<ExitCode> {
                             }
                         }
                         if let Some(ts) = ts {
+                            let ns = ts.elapsed().as_nanos() as u64;
                             sampled.fetch_add(1, Ordering::Relaxed);
-                            if ts.elapsed().as_nanos() as u64 > SLOW_NS {
+                            if ns > SLOW_NS {
                                 slow.fetch_add(1, Ordering::Relaxed);
+                            }
+                            if measuring.load(Ordering::Relaxed) {
+                                latency.record(ns);
                             }
                         }
                         n += 1;
                     }
-                    accesses.fetch_add(1024, Ordering::Relaxed);
+                    accesses.fetch_add(CHUNK, Ordering::Relaxed);
                 }
             });
         }
@@ -241,6 +296,7 @@ pub fn main(a: WorkloadArgs) -> Result<ExitCode> {
         let base_accesses = accesses.load(Ordering::Relaxed);
         sampled.store(0, Ordering::Relaxed);
         slow.store(0, Ordering::Relaxed);
+        measuring.store(true, Ordering::Relaxed);
         let t2 = Instant::now();
         while t2.elapsed().as_secs_f64() < a.seconds {
             std::thread::sleep(Duration::from_millis(20));
@@ -280,6 +336,8 @@ pub fn main(a: WorkloadArgs) -> Result<ExitCode> {
         throughput: total as f64 / run_seconds,
         slow_fraction: slow.load(Ordering::Relaxed) as f64
             / sampled.load(Ordering::Relaxed).max(1) as f64,
+        p50_us: latency.quantile_us(0.50),
+        p99_us: latency.quantile_us(0.99),
         verified_pages: pages as u64,
         mismatches: mismatches.load(Ordering::Relaxed),
     };

@@ -1,7 +1,7 @@
-//! `memtide bench`, one short run of the microbenchmark: every configuration (all-DRAM, memtide,
-//! Linux swap, zswap where the kernel has it) at every workload and thread count appears in the
-//! report, every finished run verified its data, the plots are written, and every system
-//! setting the bench changed is back as it was.
+//! `memtide bench`, one short run of each experiment: every configuration (all-DRAM, memtide,
+//! Linux swap, zswap where the kernel has it) at every workload, thread count and tenant count
+//! appears in the report, every finished run verified its data, the plots are written, and
+//! every system setting the bench changed is back as it was.
 
 mod common;
 
@@ -87,13 +87,18 @@ fn short_microbenchmark_reports_every_configuration() {
         let svg = std::fs::read_to_string(s.path().join(format!("plot-{w}.svg"))).unwrap();
         assert!(svg.contains("memtide, 1 thr") && svg.contains("Linux swap, 2 thr"));
     }
-    // Settings restored: zswap as it was, no swap file left on, no file left in the tier.
+    assert_restored(&zswap, &swaps_before, s.path());
+}
+
+/// Every setting a bench changed is back: zswap as it was, no swap file left on, no file
+/// left in the tier directory, no cgroup left behind.
+fn assert_restored(zswap: &Option<String>, swaps_before: &str, tier: &std::path::Path) {
     assert_eq!(
-        std::fs::read_to_string("/sys/module/zswap/parameters/enabled").ok(),
+        &std::fs::read_to_string("/sys/module/zswap/parameters/enabled").ok(),
         zswap
     );
     assert_eq!(swaps(), swaps_before);
-    let left: Vec<_> = std::fs::read_dir(s.path())
+    let left: Vec<_> = std::fs::read_dir(tier)
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
         .filter(|n| !n.ends_with(".json") && !n.ends_with(".svg"))
@@ -168,4 +173,130 @@ fn short_memcached_and_redis_runs_verify_every_get() {
         assert!(peak <= (32 << 20) + (1 << 20), "peak DRAM {peak}");
         assert!(s.path().join(format!("plot-{server}.svg")).exists());
     }
+}
+
+#[test]
+fn short_density_and_noisy_neighbour_runs_report_every_tenant() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let s = Scratch::new("benchtenants");
+    let json = s.path().join("tenants.json");
+    let zswap = std::fs::read_to_string("/sys/module/zswap/parameters/enabled").ok();
+    let swaps_before = swaps();
+    let o = memtide()
+        .args([
+            "bench",
+            "--experiments",
+            "density,noisy",
+            "--tenant-footprint",
+            "32MiB",
+            "--host-dram",
+            "64MiB",
+            "--tenants",
+            "1,3",
+            "--tenant-rate",
+            "50K/s",
+            "--neighbour-footprint",
+            "128MiB",
+            "--seconds",
+            "1",
+            "--warmup",
+            "0.5",
+            "--reps",
+            "1",
+            "--tier",
+        ])
+        .arg(s.path())
+        .arg("--json")
+        .arg(&json)
+        .arg("--plot")
+        .arg(s.path().join("plot"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("all-DRAM fits 2 tenants"), "{out}");
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+
+    let d = &v["density"];
+    assert_eq!(d["all_dram_fits"], 2);
+    let rows = d["rows"].as_array().unwrap();
+    let shape: Vec<(u64, &str)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r["tenants"].as_u64().unwrap(),
+                r["config"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        shape,
+        [
+            (1, "all-DRAM"),
+            (1, "memtide"),
+            (1, "Linux swap"),
+            (3, "all-DRAM"),
+            (3, "memtide"),
+            (3, "Linux swap")
+        ]
+    );
+    // The DRAM is split evenly (whole MiB), and paced tenants never beat their load.
+    let mt3 = rows
+        .iter()
+        .find(|r| r["tenants"] == 3 && r["config"] == "memtide")
+        .unwrap();
+    assert_eq!(mt3["dram_each"].as_u64(), Some(21 << 20));
+    for r in rows {
+        let tp = r["median_throughput"].as_f64().unwrap();
+        assert!(tp > 0.0 && tp <= 50_000.0 * 1.1, "{r}");
+    }
+    for run in d["runs"].as_array().unwrap() {
+        let tenants = run["runs"].as_array().unwrap();
+        assert_eq!(
+            tenants.len() as u64,
+            run["tenants"].as_u64().unwrap(),
+            "{run}"
+        );
+        for t in tenants {
+            if t.get("failed").is_none() {
+                assert_eq!(t["verified_pages"].as_u64(), Some(8192), "{run}");
+            } else {
+                assert_eq!(
+                    run["config"], "Linux swap",
+                    "memtide tenants never fail: {run}"
+                );
+            }
+        }
+    }
+    let names: Vec<&str> = d["density"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x["config"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["memtide", "Linux swap"]);
+    let svg = std::fs::read_to_string(s.path().join("plot-density.svg")).unwrap();
+    assert!(svg.contains("memtide") && svg.contains("Linux swap"));
+
+    let n = &v["noisy"];
+    let configs: Vec<&str> = n["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["config"].as_str().unwrap())
+        .collect();
+    assert_eq!(configs, ["all-DRAM", "memtide 50%", "Linux swap 50%"]);
+    for run in n["runs"].as_array().unwrap() {
+        let beside = run["beside_neighbour"].as_bool().unwrap();
+        assert_eq!(run["neighbour"].is_object(), beside, "{run}");
+        if run["config"] == "memtide" {
+            assert_eq!(run["sensitive"]["verified_pages"].as_u64(), Some(8192));
+            if beside {
+                // The streamer swept its whole footprint through 16 MiB of DRAM, intact.
+                assert_eq!(run["neighbour"]["verified_pages"].as_u64(), Some(32768));
+                assert!(run["neighbour"]["throughput"].as_f64().unwrap() > 0.0);
+            }
+        }
+    }
+    assert_restored(&zswap, &swaps_before, s.path());
 }
