@@ -188,6 +188,8 @@ pub struct Engine {
     tier_failed: AtomicBool,
     /// Set after `fork` fallback: memory is all in DRAM and no longer registered.
     detached: AtomicBool,
+    /// Whether the arena and staging area are locked in DRAM (see `start`).
+    locked: bool,
     /// Asks the evictor to stop (for `fork` and for audits).
     pause: AtomicBool,
     /// Set by the evictor once it has seen `pause` and stopped.
@@ -222,6 +224,13 @@ impl Engine {
             uffd.register(m.addr(), m.len())
                 .map_err(io_err("register the arena with userfaultfd"))?;
         }
+        // Managed DRAM is locked as it is faulted in: memtide decides what leaves DRAM, and
+        // Linux must not swap managed pages out behind it (a page moved with UFFDIO_MOVE while
+        // swapped out can come back as zeros on this kernel). Without the privilege to lock
+        // (RLIMIT_MEMLOCK), the evictor skips swapped-out pages instead.
+        let locked = [&arena, &staging]
+            .iter()
+            .all(|m| sys::lock_on_fault(m.addr(), m.len()).is_ok());
         let tier_limit = cfg.tier_bytes.unwrap_or(cfg.arena_bytes) / PAGE_SIZE as u64;
         let engine = Box::leak(Box::new(Engine {
             ring: Mapping::anon(ring_slots as usize * 4).map_err(io_err("map the ring"))?,
@@ -246,6 +255,7 @@ impl Engine {
             overcommit: AtomicBool::new(false),
             tier_failed: AtomicBool::new(false),
             detached: AtomicBool::new(false),
+            locked,
             pause: AtomicBool::new(false),
             parked: AtomicBool::new(false),
             last_tier_fault: AtomicUsize::new(usize::MAX - 1),
@@ -259,6 +269,10 @@ impl Engine {
         }));
         if let Some(note) = tier_note {
             engine.warn(note);
+        }
+        let swap_on = std::fs::read_to_string("/proc/swaps").is_ok_and(|s| s.lines().count() > 1);
+        if !engine.locked && swap_on {
+            engine.warn("cannot lock managed memory in DRAM (needs CAP_IPC_LOCK or a larger RLIMIT_MEMLOCK) and swap is on: Linux may swap managed pages out; memtide leaves those alone until they are touched".into());
         }
         if !engine.tier.direct() {
             engine.warn(format!(
@@ -503,6 +517,13 @@ impl Engine {
                 .move_pages(self.addr_of(p), self.stage_addr(s), PAGE_SIZE)
         };
         if let Err(e) = res {
+            let presence = sys::presence_of(self.stage_addr(s));
+            if presence == Some(sys::Presence::Swapped) {
+                // Linux swapped the inactive page out (reclaim or DAMON, with swap on): a read
+                // swaps it back in (the page table holds a swap entry: no missing-page fault).
+                // SAFETY: the staging page is ours (p is Busy) and readable once swapped in.
+                unsafe { std::ptr::read_volatile(self.stage_addr(s) as *const u8) };
+            }
             // Fall back to a copy; the staging page stays until the evictor zaps its slot.
             // SAFETY: the staging page is mapped and readable; the arena page is ours.
             if let Err(e2) = unsafe {
@@ -523,6 +544,15 @@ impl Engine {
                         ("tail", self.ring_tail.load(Ordering::Relaxed)),
                         ("head", self.ring_head.load(Ordering::Relaxed)),
                         ("word", old.0 as u64),
+                        (
+                            "staging page (0 present, 1 swapped, 2 absent, 3 unknown)",
+                            match presence {
+                                Some(sys::Presence::Present) => 0,
+                                Some(sys::Presence::Swapped) => 1,
+                                Some(sys::Presence::Absent) => 2,
+                                None => 3,
+                            },
+                        ),
                     ],
                     &e2.error,
                 );
@@ -699,7 +729,7 @@ impl Engine {
             // SAFETY: every mapped page in the range is ours (Busy) and the program asked
             // for its contents to go; Free pages in the range are already empty.
             unsafe {
-                let _ = sys::madvise(self.addr_of(first), pages * PAGE_SIZE, libc::MADV_DONTNEED);
+                let _ = sys::discard(self.addr_of(first), pages * PAGE_SIZE);
             }
             self.unreserve(mapped);
         }
@@ -766,7 +796,7 @@ impl Engine {
         // SAFETY: the program released or discarded this range; in the child it is plain
         // anonymous memory.
         unsafe {
-            let _ = sys::madvise(self.addr_of(first), pages * PAGE_SIZE, libc::MADV_DONTNEED);
+            let _ = sys::discard(self.addr_of(first), pages * PAGE_SIZE);
         }
         Ok(())
     }
@@ -894,7 +924,7 @@ impl Engine {
                     }
                     // SAFETY: the source page is ours; its contents now live at the destination.
                     unsafe {
-                        let _ = sys::madvise(self.addr_of(q), PAGE_SIZE, libc::MADV_DONTNEED);
+                        let _ = sys::discard(self.addr_of(q), PAGE_SIZE);
                     }
                 }
             }
@@ -991,6 +1021,8 @@ impl Engine {
         if let Err(e) = self.uffd.unregister(self.arena.addr(), self.arena.len()) {
             fatal("unregistering the arena before fork failed", &e);
         }
+        // Plain memory from now on: Linux manages it as any other.
+        let _ = sys::unlock(self.arena.addr(), self.arena.len());
         self.warn("the program forked: its managed memory was brought back into DRAM and is no longer tiered (tiering across fork is not supported yet)".into());
         sys::restore_signals(&mask);
     }
@@ -1175,6 +1207,16 @@ impl Engine {
                 victims.push(i);
             }
         }
+        if !self.locked {
+            // Unlocked memory may have been swapped out by Linux: only pages in DRAM move.
+            victims.retain(|&p| {
+                let present = sys::presence_of(self.addr_of(p)) == Some(sys::Presence::Present);
+                if !present {
+                    self.handle_unmovable(p);
+                }
+                present
+            });
+        }
         // Victims are in address order: move runs of neighbours in one call each.
         let mut moved = 0u64;
         let mut k = 0;
@@ -1227,20 +1269,11 @@ impl Engine {
         moved
     }
 
-    /// A mapped page that UFFDIO_MOVE refused. ENOENT: the program zapped it without telling
-    /// us (it reads as zeros now); anything else (shared after fork, pinned by the kernel for
-    /// I/O): it stays mapped.
+    /// A mapped page that UFFDIO_MOVE refused. Nothing there: the program zapped it without
+    /// telling us (it reads as zeros now); anything else (swapped out by Linux, shared after
+    /// fork, pinned by the kernel for I/O, or pagemap unreadable): it stays mapped.
     fn handle_unmovable(&self, p: usize) {
-        let mut vec = [0u8; 1];
-        // SAFETY: mincore writes one byte per page into `vec`; the address is in our arena.
-        let r = unsafe {
-            libc::mincore(
-                self.addr_of(p) as *mut libc::c_void,
-                PAGE_SIZE,
-                vec.as_mut_ptr(),
-            )
-        };
-        if r == 0 && vec[0] & 1 == 0 {
+        if sys::presence_of(self.addr_of(p)) == Some(sys::Presence::Absent) {
             if let Some(s) = self.pt.slot(p) {
                 self.slots().free(s);
                 self.pt.set_slot(p, None);
@@ -1476,10 +1509,9 @@ impl Engine {
             // SAFETY: staging slots between the old and new tail hold nothing anyone needs:
             // their pages are evicted, dead, or were moved out.
             unsafe {
-                let _ = sys::madvise(
+                let _ = sys::discard(
                     self.staging.addr() + s as usize * PAGE_SIZE,
                     (e - s) as usize * PAGE_SIZE,
-                    libc::MADV_DONTNEED,
                 );
             }
         };
@@ -1543,6 +1575,23 @@ impl Engine {
         }
     }
 
+    /// What the engine knows of the page at `addr`, for a test's failure message.
+    #[doc(hidden)]
+    pub fn describe_page(&self, addr: usize) -> String {
+        if !self.contains(addr) {
+            return "not managed".into();
+        }
+        let p = self.page_of(addr);
+        let w = self.pt.load(p);
+        format!(
+            "page {p}: {:?}, tier slot {:?}, stage {}, arena {:?}",
+            w.state(),
+            self.pt.slot(p),
+            self.pt.stage(p) as i64,
+            sys::presence_of(addr)
+        )
+    }
+
     /// Checks the page table's books (for tests, with the program's threads quiet): resident
     /// pages equal mapped and staged pages plus dead ring entries, every evicted page has a
     /// slot, every staged page is named by its ring slot. Pauses the evictor while it looks.
@@ -1557,26 +1606,16 @@ impl Engine {
         let hw = self.high_water.load(Ordering::Acquire);
         let mut mapped = 0u64;
         let mut staged = 0u64;
-        let mut present = vec![0u8; hw];
+        let mut present = vec![sys::Presence::Absent; hw];
         if hw > 0 {
-            // SAFETY: mincore writes one byte per page of the range into `present`, which
-            // has one byte per page; the range lies in our arena mapping.
-            let r = unsafe {
-                libc::mincore(
-                    self.arena.addr() as *mut libc::c_void,
-                    hw * PAGE_SIZE,
-                    present.as_mut_ptr(),
-                )
-            };
-            if r != 0 {
-                return Err(format!("mincore: {}", io::Error::last_os_error()));
-            }
+            sys::presence(self.arena.addr(), &mut present).map_err(|e| format!("pagemap: {e}"))?;
         }
-        for (i, &byte) in present.iter().enumerate() {
+        for (i, &there) in present.iter().enumerate() {
             let w = self.pt.load(i);
             // The page table must agree with the hardware one: exactly the Mapped pages are
-            // present in the arena (others live in staging, tier 1, or nowhere).
-            let is_present = byte & 1 != 0;
+            // there in the arena, in DRAM or swapped out by Linux (others live in staging,
+            // tier 1, or nowhere).
+            let is_present = there != sys::Presence::Absent;
             if is_present != (w.state() == State::Mapped) {
                 return Err(format!(
                     "page {i} is {:?} but {} in the arena",
@@ -1593,6 +1632,9 @@ impl Engine {
                         return Err(format!(
                             "page {i} is staged at slot {s}, which does not name it"
                         ));
+                    }
+                    if sys::presence_of(self.stage_addr(s)) == Some(sys::Presence::Absent) {
+                        return Err(format!("page {i} is staged at slot {s}, which is empty"));
                     }
                 }
                 State::Evicted if self.pt.slot(i).is_none() => {

@@ -3,7 +3,7 @@
 //! The engine runs inside programs whose `mmap`, `read`, `write` and `sigaction` may be
 //! interposed by memtide's own preload library, so it never calls those through libc: it issues
 //! the raw system calls here. Everything in this file is safe to call from a signal handler
-//! (no allocation, no locks). Entry points: [`Mapping`], [`futex_wait`], [`futex_wake`],
+//! (no allocation, no locks). Entry points: [`Mapping`], [`presence`], [`futex_wait`], [`futex_wake`],
 //! [`now_ns`].
 
 use std::io;
@@ -318,4 +318,99 @@ pub unsafe fn page_is_zero(addr: usize) -> bool {
     // SAFETY: the caller guarantees a readable, aligned page.
     let words = unsafe { std::slice::from_raw_parts(addr as *const u64, PAGE_SIZE / 8) };
     words.iter().all(|&w| w == 0)
+}
+
+/// Where the kernel keeps a page of this process's memory (from `/proc/self/pagemap`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Presence {
+    /// In DRAM and mapped.
+    Present,
+    /// Swapped out by Linux: when swap is on, reclaim and DAMON may page out any anonymous
+    /// page, managed memory included. A touch swaps it back in (not a missing-page fault).
+    Swapped,
+    /// Nothing there: a touch is a missing-page fault.
+    Absent,
+}
+
+/// Fills `out` with the presence of the pages from `addr` on, one entry per page.
+pub fn presence(addr: usize, out: &mut [Presence]) -> io::Result<()> {
+    const PATH: &[u8] = b"/proc/self/pagemap\0";
+    // SAFETY: opening a file by a NUL-terminated path.
+    let fd = check(unsafe {
+        libc::syscall(
+            libc::SYS_openat,
+            libc::AT_FDCWD,
+            PATH.as_ptr(),
+            libc::O_RDONLY | libc::O_CLOEXEC,
+        )
+    })? as i32;
+    // Small enough for a signal handler's stack.
+    let mut buf = [0u64; 64];
+    let mut done = 0;
+    let res = loop {
+        if done == out.len() {
+            break Ok(());
+        }
+        let n = (out.len() - done).min(buf.len());
+        let off = ((addr / PAGE_SIZE + done) * 8) as i64;
+        // SAFETY: reading at most `buf`'s size into `buf`.
+        match check(unsafe { libc::syscall(libc::SYS_pread64, fd, buf.as_mut_ptr(), n * 8, off) }) {
+            Ok(b) if b >= 8 => {
+                for (k, &e) in buf[..b / 8].iter().enumerate() {
+                    // Bit 63: present; bit 62: swapped.
+                    out[done + k] = if e >> 63 & 1 == 1 {
+                        Presence::Present
+                    } else if e >> 62 & 1 == 1 {
+                        Presence::Swapped
+                    } else {
+                        Presence::Absent
+                    };
+                }
+                done += b / 8;
+            }
+            Ok(_) => break Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
+            Err(e) => break Err(e),
+        }
+    };
+    // SAFETY: closing the descriptor opened above.
+    unsafe { libc::syscall(libc::SYS_close, fd) };
+    res
+}
+
+/// Presence of the one page at `addr`; `None` if pagemap cannot be read.
+pub fn presence_of(addr: usize) -> Option<Presence> {
+    let mut one = [Presence::Absent];
+    presence(addr, &mut one).ok().map(|()| one[0])
+}
+
+/// `MADV_DONTNEED_LOCKED` (Linux 5.18): `MADV_DONTNEED` that also works on locked memory.
+const MADV_DONTNEED_LOCKED: i32 = 24;
+
+/// Drops the pages of a range (they read as missing afterwards), locked or not.
+///
+/// # Safety
+///
+/// The range's contents are destroyed.
+pub unsafe fn discard(addr: usize, len: usize) -> io::Result<()> {
+    // SAFETY: forwarded contract of this function.
+    match unsafe { madvise(addr, len, MADV_DONTNEED_LOCKED) } {
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            // An older kernel: plain DONTNEED (the range is then not locked: see `lock`).
+            // SAFETY: as above.
+            unsafe { madvise(addr, len, libc::MADV_DONTNEED) }
+        }
+        r => r,
+    }
+}
+
+/// Locks a range's pages in DRAM as they are faulted in (`mlock2(MLOCK_ONFAULT)`), so that
+/// Linux never swaps them out; `unlock` undoes it.
+pub fn lock_on_fault(addr: usize, len: usize) -> io::Result<()> {
+    // SAFETY: mlock2 changes only the range's flags.
+    check(unsafe { libc::syscall(libc::SYS_mlock2, addr, len, libc::MLOCK_ONFAULT) }).map(drop)
+}
+
+pub fn unlock(addr: usize, len: usize) -> io::Result<()> {
+    // SAFETY: munlock changes only the range's flags.
+    check(unsafe { libc::syscall(libc::SYS_munlock, addr, len) }).map(drop)
 }
