@@ -23,6 +23,18 @@ pub fn percent(s: &str) -> Result<f64, String> {
     }
 }
 
+/// Parses a DRAM budget as a percentage of a footprint, `0 < p <= 1000`: above 100 the budget
+/// exceeds the footprint (no pressure).
+pub fn budget_percent(s: &str) -> Result<f64, String> {
+    let t = s.trim().trim_end_matches('%');
+    match t.parse::<f64>() {
+        Ok(v) if v > 0.0 && v <= 1000.0 => Ok(v),
+        _ => Err(format!(
+            "`{s}` is not a budget: give a percentage of the footprint, more than 0 and at most 1000"
+        )),
+    }
+}
+
 /// Parses a fraction `0 <= f <= 1`, written as a percentage (`20%`) or a fraction (`0.2`).
 pub fn fraction(s: &str) -> Result<f64, String> {
     let t = s.trim();
@@ -103,6 +115,8 @@ mod tests {
         assert!(nonzero_size("lots").is_err());
         assert_eq!(percent("25%"), Ok(25.0));
         assert!(percent("0").is_err());
+        assert_eq!(budget_percent("125%"), Ok(125.0));
+        assert!(budget_percent("0").is_err() && budget_percent("2000").is_err());
         assert_eq!(fraction("20%"), Ok(0.2));
         assert_eq!(fraction("0.9"), Ok(0.9));
         assert!(fraction("120%").is_err());
