@@ -135,6 +135,24 @@ fn run_together(
     Ok(runs)
 }
 
+/// One tenant of the green workload over `--tenant-footprint`, one thread, at `rate`
+/// accesses/s (0: as fast as it can).
+fn green_tenant(a: &BenchArgs, rate: f64, seed: u64) -> WorkloadArgs {
+    let (hot, hot_share) = workload_shape("green").expect("known");
+    WorkloadArgs {
+        footprint: a.tenant_footprint,
+        hot,
+        hot_share,
+        writes: 0.2,
+        seconds: a.seconds,
+        warmup: a.warmup,
+        threads: 1,
+        rate,
+        scan: false,
+        seed: 42 + seed,
+    }
+}
+
 #[derive(Serialize)]
 struct DensityRun {
     tenants: usize,
@@ -172,7 +190,6 @@ struct Density {
 /// The density experiment.
 pub fn density(a: &BenchArgs, host: &Host) -> Result<serde_json::Value> {
     let fits = (a.host_dram / a.tenant_footprint) as usize;
-    let (hot, hot_share) = workload_shape("green").expect("known");
     eprintln!(
         "density: tenants of {} (green workload, {:.0} k accesses/s each) sharing {} of DRAM; all-DRAM fits {fits}",
         bytes(a.tenant_footprint),
@@ -193,19 +210,10 @@ pub fn density(a: &BenchArgs, host: &Host) -> Result<serde_json::Value> {
                     .then(|| (a.host_dram / n as u64) / (1 << 20) * (1 << 20));
                 let tenants: Vec<(WorkloadArgs, Option<u64>)> = (0..n)
                     .map(|i| {
-                        let w = WorkloadArgs {
-                            footprint: a.tenant_footprint,
-                            hot,
-                            hot_share,
-                            writes: 0.2,
-                            seconds: a.seconds,
-                            warmup: a.warmup,
-                            threads: 1,
-                            rate: a.tenant_rate,
-                            scan: false,
-                            seed: 42 + (rep * 1000 + i) as u64,
-                        };
-                        (w, each)
+                        (
+                            green_tenant(a, a.tenant_rate, (rep * 1000 + i) as u64),
+                            each,
+                        )
                     })
                     .collect();
                 let label = format!(
@@ -432,25 +440,13 @@ struct NoisyRow {
 pub fn noisy(a: &BenchArgs, host: &Host) -> Result<serde_json::Value> {
     let budget =
         ((a.tenant_footprint as f64 * a.tenant_dram / 100.0) as u64).next_multiple_of(1 << 20);
-    let (hot, hot_share) = workload_shape("green").expect("known");
     eprintln!(
         "noisy neighbour: a tenant of {} (green workload, as fast as it can) beside one streaming over {}, each with {} of DRAM",
         bytes(a.tenant_footprint),
         bytes(a.neighbour_footprint),
         bytes(budget)
     );
-    let sensitive = |rep: usize| WorkloadArgs {
-        footprint: a.tenant_footprint,
-        hot,
-        hot_share,
-        writes: 0.2,
-        seconds: a.seconds,
-        warmup: a.warmup,
-        threads: 1,
-        rate: 0.0,
-        scan: false,
-        seed: 42 + rep as u64,
-    };
+    let sensitive = |rep: usize| green_tenant(a, 0.0, rep as u64);
     // The streamer starts its sweep during the sensitive tenant's warm-up and keeps going
     // past its end.
     let streamer = WorkloadArgs {
@@ -527,11 +523,12 @@ pub fn noisy(a: &BenchArgs, host: &Host) -> Result<serde_json::Value> {
     let dram_beside = med(Family::Dram, true, &tp);
     println!();
     println!(
-        "{:<16} {:>11} {:>12} {:>14} {:>10} {:>16} {:>8} {:>13}",
+        "{:<16} {:>10} {:>11} {:>13} {:>13} {:>10} {:>16} {:>8} {:>13}",
         "config",
         "alone k/s",
         "beside k/s",
-        "beside/DRAM",
+        "vs DRAM alone",
+        "vs DRAM besd",
         "neighbour",
         "p99 µs alone/bes",
         "miss",
@@ -543,13 +540,14 @@ pub fn noisy(a: &BenchArgs, host: &Host) -> Result<serde_json::Value> {
             Family::Dram => f.name().to_string(),
             _ => format!("{} {:.0}%", f.name(), a.tenant_dram),
         };
+        let (alone, beside) = (med(f, false, &tp), med(f, true, &tp));
         let row = NoisyRow {
             config: name,
-            alone: med(f, false, &tp),
-            beside: med(f, true, &tp),
-            beside_vs_dram_alone: med(f, true, &tp) / dram_alone,
-            beside_vs_dram_beside: med(f, true, &tp) / dram_beside,
-            neighbour_effect: med(f, true, &tp) / med(f, false, &tp),
+            alone,
+            beside,
+            beside_vs_dram_alone: beside / dram_alone,
+            beside_vs_dram_beside: beside / dram_beside,
+            neighbour_effect: beside / alone,
             p99_alone_us: med(f, false, &|r| r.sensitive.p99_us),
             p99_beside_us: med(f, true, &|r| r.sensitive.p99_us),
             slow_beside: med(f, true, &|r| r.sensitive.slow_fraction),
@@ -575,9 +573,7 @@ pub fn noisy(a: &BenchArgs, host: &Host) -> Result<serde_json::Value> {
         );
         rows.push(row);
     }
-    println!(
-        "(neighbour: the tenant's throughput beside the streamer / alone, in the same placement)"
-    );
+    println!("(beside the streamer: against all-DRAM alone and all-DRAM beside the streamer; neighbour: beside / alone in the same placement)");
     Ok(serde_json::json!({
         "tenant_footprint": a.tenant_footprint,
         "neighbour_footprint": a.neighbour_footprint,
