@@ -1610,6 +1610,8 @@ impl Engine {
         if hw > 0 {
             sys::presence(self.arena.addr(), &mut present).map_err(|e| format!("pagemap: {e}"))?;
         }
+        let mut staging = vec![sys::Presence::Absent; self.ring_slots as usize];
+        sys::presence(self.staging.addr(), &mut staging).map_err(|e| format!("pagemap: {e}"))?;
         for (i, &there) in present.iter().enumerate() {
             let w = self.pt.load(i);
             // The page table must agree with the hardware one: exactly the Mapped pages are
@@ -1633,7 +1635,7 @@ impl Engine {
                             "page {i} is staged at slot {s}, which does not name it"
                         ));
                     }
-                    if sys::presence_of(self.stage_addr(s)) == Some(sys::Presence::Absent) {
+                    if staging[s as usize] == sys::Presence::Absent {
                         return Err(format!("page {i} is staged at slot {s}, which is empty"));
                     }
                 }

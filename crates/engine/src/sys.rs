@@ -395,7 +395,7 @@ pub unsafe fn discard(addr: usize, len: usize) -> io::Result<()> {
     // SAFETY: forwarded contract of this function.
     match unsafe { madvise(addr, len, MADV_DONTNEED_LOCKED) } {
         Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-            // An older kernel: plain DONTNEED (the range is then not locked: see `lock`).
+            // An older kernel: plain DONTNEED (the range is then not locked: see `lock_on_fault`).
             // SAFETY: as above.
             unsafe { madvise(addr, len, libc::MADV_DONTNEED) }
         }
