@@ -10,6 +10,26 @@ use common::{memtide, stderr, Scratch};
 /// The benches change system-wide settings (zswap, swap files): one at a time.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// Runs `memtide bench ARGS` with its tier, JSON report and plots in `s`; returns its output
+/// and the report.
+fn run_bench(s: &Scratch, args: &[&str]) -> (String, serde_json::Value) {
+    let json = s.path().join("bench.json");
+    let o = memtide()
+        .arg("bench")
+        .args(args)
+        .arg("--tier")
+        .arg(s.path())
+        .arg("--json")
+        .arg(&json)
+        .arg("--plot")
+        .arg(s.path().join("plot"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    (String::from_utf8_lossy(&o.stdout).into_owned(), v)
+}
+
 fn swaps() -> String {
     std::fs::read_to_string("/proc/swaps").unwrap_or_default()
 }
@@ -18,12 +38,11 @@ fn swaps() -> String {
 fn short_microbenchmark_reports_every_configuration() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let s = Scratch::new("bench");
-    let json = s.path().join("bench.json");
     let zswap = std::fs::read_to_string("/sys/module/zswap/parameters/enabled").ok();
     let swaps_before = swaps();
-    let o = memtide()
-        .args([
-            "bench",
+    let (_, v) = run_bench(
+        &s,
+        &[
             "--footprint",
             "128MiB",
             "--budgets",
@@ -38,17 +57,8 @@ fn short_microbenchmark_reports_every_configuration() {
             "0.5",
             "--reps",
             "1",
-            "--tier",
-        ])
-        .arg(s.path())
-        .arg("--json")
-        .arg(&json)
-        .arg("--plot")
-        .arg(s.path().join("plot"))
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", stderr(&o));
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+        ],
+    );
     let v = &v["micro"];
     let mut configs = vec!["all-DRAM", "memtide 50%", "Linux swap 50%"];
     if zswap.is_some() {
@@ -121,10 +131,9 @@ fn short_memcached_and_redis_runs_verify_every_get() {
     common::require("redis-server");
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let s = Scratch::new("benchkv");
-    let json = s.path().join("kv.json");
-    let o = memtide()
-        .args([
-            "bench",
+    let (_, v) = run_bench(
+        &s,
+        &[
             "--experiments",
             "memcached,redis",
             "--footprint",
@@ -140,17 +149,8 @@ fn short_memcached_and_redis_runs_verify_every_get() {
             "--reps",
             "1",
             "--no-zswap",
-            "--tier",
-        ])
-        .arg(s.path())
-        .arg("--json")
-        .arg(&json)
-        .arg("--plot")
-        .arg(s.path().join("plot"))
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", stderr(&o));
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+        ],
+    );
     for server in ["memcached", "redis"] {
         let sec = &v[server];
         let rows = sec["rows"].as_array().unwrap();
@@ -179,12 +179,11 @@ fn short_memcached_and_redis_runs_verify_every_get() {
 fn short_density_and_noisy_neighbour_runs_report_every_tenant() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let s = Scratch::new("benchtenants");
-    let json = s.path().join("tenants.json");
     let zswap = std::fs::read_to_string("/sys/module/zswap/parameters/enabled").ok();
     let swaps_before = swaps();
-    let o = memtide()
-        .args([
-            "bench",
+    let (out, v) = run_bench(
+        &s,
+        &[
             "--experiments",
             "density,noisy",
             "--tenant-footprint",
@@ -203,19 +202,9 @@ fn short_density_and_noisy_neighbour_runs_report_every_tenant() {
             "0.5",
             "--reps",
             "1",
-            "--tier",
-        ])
-        .arg(s.path())
-        .arg("--json")
-        .arg(&json)
-        .arg("--plot")
-        .arg(s.path().join("plot"))
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", stderr(&o));
-    let out = String::from_utf8_lossy(&o.stdout);
+        ],
+    );
     assert!(out.contains("all-DRAM fits 2 tenants"), "{out}");
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
 
     let d = &v["density"];
     assert_eq!(d["all_dram_fits"], 2);
