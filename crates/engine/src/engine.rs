@@ -23,6 +23,7 @@
 //! - `resident` counts pages holding DRAM (mapped, staged, writing, or in flight); a faulting
 //!   thread reserves quota before it claims a page.
 
+use std::cell::Cell;
 use std::io;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -31,7 +32,7 @@ use std::sync::Mutex;
 use memtide_policy::{Activeness, EpochClock, Sweep, Watermarks, PAGE_SIZE};
 
 use crate::arena::RangeAlloc;
-use crate::pages::{PageTable, State, NONE};
+use crate::pages::{PageTable, State, Word, NONE};
 use crate::stats::{Counters, Snapshot};
 use crate::sys::{self, Mapping};
 use crate::tier::{self, Backend, FileTier, SlotMap, TierOpenError};
@@ -41,6 +42,9 @@ use crate::uffd::{OpenError, Uffd};
 const ZERO_CHUNK: usize = 16;
 /// Most pages read ahead on a sequential run of tier faults.
 const READAHEAD: usize = 16;
+/// Faults in a row on one page the engine holds mapped before it looks whether the page is
+/// really there (see `check_mapped`).
+const MAPPED_MISSING_LIMIT: u32 = 1000;
 /// Bounce buffers for tier reads, each `READAHEAD` pages.
 const BOUNCE_BUFFERS: usize = 64;
 /// Ring entry values besides `page + 1`.
@@ -364,7 +368,10 @@ impl Engine {
             let w = self.pt.load(p);
             match w.state() {
                 State::Free => return Fault::NotManaged,
-                State::Mapped => return Fault::Handled,
+                State::Mapped => {
+                    self.check_mapped(p, addr, w);
+                    return Fault::Handled;
+                }
                 State::Busy | State::Writing => {
                     Counters::bump(&self.counters.faults_wait);
                     self.pt.wait(p, w);
@@ -386,6 +393,42 @@ impl Engine {
                 }
             }
         }
+    }
+
+    /// A fault on a page the engine has mapped: normally a race (another thread mapped it
+    /// between the fault and this look). If the page is in fact missing, the retried access
+    /// faults again at once; a long unbroken run of such faults on one page means the books
+    /// are wrong, and the engine stops loudly rather than spin forever.
+    fn check_mapped(&self, p: usize, addr: usize, w: Word) {
+        thread_local! {
+            static STREAK: Cell<(usize, u32)> = const { Cell::new((usize::MAX, 0)) };
+        }
+        let n = STREAK.with(|c| {
+            let (last, n) = c.get();
+            let n = if last == p { n + 1 } else { 1 };
+            c.set((p, n));
+            n
+        });
+        if n < MAPPED_MISSING_LIMIT {
+            return;
+        }
+        if sys::presence_of(addr) == Some(sys::Presence::Absent) && self.pt.load(p).0 == w.0 {
+            fatal_with(
+                "a page the engine had mapped is missing from the program's page tables",
+                &[
+                    ("page", p as u64),
+                    ("word", w.0 as u64),
+                    ("tier slot", self.pt.slot(p).map_or(u64::MAX, |s| s)),
+                    ("faults on it in a row", n as u64),
+                    (
+                        "moves underreported",
+                        self.counters.moves_underreported.load(Ordering::Relaxed),
+                    ),
+                ],
+                &io::Error::from_raw_os_error(libc::EFAULT),
+            );
+        }
+        STREAK.with(|c| c.set((p, 0)));
     }
 
     /// Reserves DRAM for `n` pages, waiting for the evictor if the quota is used up.
@@ -516,7 +559,13 @@ impl Engine {
             self.uffd
                 .move_pages(self.addr_of(p), self.stage_addr(s), PAGE_SIZE)
         };
-        if let Err(e) = res {
+        let moved_anyway = res.is_err()
+            && sys::presence_of(self.addr_of(p)).is_some_and(|a| a != sys::Presence::Absent)
+            && sys::presence_of(self.stage_addr(s)) == Some(sys::Presence::Absent);
+        if moved_anyway {
+            // The kernel reported a failure but moved the page (see `which_moved`).
+            Counters::bump(&self.counters.moves_underreported);
+        } else if let Err(e) = res {
             let presence = sys::presence_of(self.stage_addr(s));
             if presence == Some(sys::Presence::Swapped) {
                 // Linux swapped the inactive page out (reclaim or DAMON, with swap on): a read
@@ -1218,7 +1267,7 @@ impl Engine {
             });
         }
         // Victims are in address order: move runs of neighbours in one call each.
-        let mut moved = 0u64;
+        let mut moved_total = 0u64;
         let mut k = 0;
         while k < victims.len() {
             let head = self.ring_head.load(Ordering::Acquire);
@@ -1238,34 +1287,73 @@ impl Engine {
                 self.uffd
                     .move_pages(self.stage_addr(s0), self.addr_of(first), n * PAGE_SIZE)
             };
-            let done = match res {
-                Ok(()) => n,
-                Err(e) => e.done / PAGE_SIZE,
+            // After a failure, which pages moved is read from the page tables: the count
+            // the kernel reports is not trusted with the program's data.
+            let moved = match res {
+                Ok(()) => None,
+                Err(e) => Some(self.which_moved(first, s0, n, e.done / PAGE_SIZE)),
             };
             for j in 0..n {
                 let p = first + j;
                 let s = s0 + j as u32;
-                if j < done {
+                if moved.as_ref().is_none_or(|m| m[j]) {
                     self.pt.set_stage(p, s);
                     self.ring_entry(s as u64)
                         .store(p as u32 + 1, Ordering::Release);
                     self.pt.publish(p, State::Staged, None);
-                    moved += 1;
+                    moved_total += 1;
                 } else {
                     self.ring_entry(s as u64)
                         .store(RING_EMPTY, Ordering::Release);
-                    if j == done {
-                        // The page that failed: why?
-                        self.handle_unmovable(p);
-                    } else {
-                        self.pt.publish(p, State::Mapped, None);
-                    }
+                    // Why did it stay? (Each page is asked: one that is not there at all
+                    // must not be taken for mapped.)
+                    self.handle_unmovable(p);
                 }
             }
             self.ring_head.store(head + n as u64, Ordering::Release);
         }
-        self.staged.fetch_add(moved, Ordering::AcqRel);
-        Counters::add(&self.counters.deactivations, moved);
+        self.staged.fetch_add(moved_total, Ordering::AcqRel);
+        Counters::add(&self.counters.deactivations, moved_total);
+        moved_total
+    }
+
+    /// After a move of pages `first..first+n` to staging slots `s0..` failed with `done` pages
+    /// reported moved: which pages did move, read from the page tables (a page moved when its
+    /// arena address is empty and its staging slot holds a page). Pages the kernel reported
+    /// are taken as moved. If it moved more than it reported, the engine says so once: those
+    /// pages would otherwise be taken for mapped while their bytes sat in a staging slot about
+    /// to be discarded.
+    fn which_moved(&self, first: usize, s0: u32, n: usize, done: usize) -> Vec<bool> {
+        let mut moved = vec![false; n];
+        moved[..done.min(n)].fill(true);
+        if done >= n {
+            return moved;
+        }
+        let mut arena = vec![sys::Presence::Absent; n - done];
+        let mut staging = vec![sys::Presence::Absent; n - done];
+        let read = sys::presence(self.addr_of(first + done), &mut arena)
+            .and_then(|()| sys::presence(self.stage_addr(s0 + done as u32), &mut staging));
+        if read.is_err() {
+            return moved;
+        }
+        let mut extra = 0u64;
+        for j in done..n {
+            if arena[j - done] == sys::Presence::Absent
+                && staging[j - done] != sys::Presence::Absent
+            {
+                moved[j] = true;
+                extra += 1;
+            }
+        }
+        if extra > 0 {
+            Counters::add(&self.counters.moves_underreported, extra);
+            if self.counters.moves_underreported.load(Ordering::Relaxed) == extra {
+                self.warn(format!(
+                    "the kernel reported a page move as failed although {extra} page(s) moved; \
+                     memtide follows the page tables (counted as moves_underreported)"
+                ));
+            }
+        }
         moved
     }
 
@@ -1551,6 +1639,7 @@ impl Engine {
             faults_tier: r(&c.faults_tier),
             faults_inactive: r(&c.faults_inactive),
             faults_wait: r(&c.faults_wait),
+            moves_underreported: r(&c.moves_underreported),
             readahead_pages: r(&c.readahead_pages),
             promotions: r(&c.promotions),
             demotions: r(&c.demotions),

@@ -99,6 +99,9 @@ pub struct Counters {
     pub faults_inactive: AtomicU64,
     /// Faults that waited for another thread's move of the same page.
     pub faults_wait: AtomicU64,
+    /// Pages the kernel moved out of DRAM although it reported the move as failed (found by
+    /// reading the page tables after a failed move).
+    pub moves_underreported: AtomicU64,
     /// Pages brought in by read-ahead beside a faulting page.
     pub readahead_pages: AtomicU64,
     /// Pages promoted to DRAM (tier-1 reads and inactive hits).
@@ -164,6 +167,7 @@ pub struct Snapshot {
     pub faults_tier: u64,
     pub faults_inactive: u64,
     pub faults_wait: u64,
+    pub moves_underreported: u64,
     pub readahead_pages: u64,
     pub promotions: u64,
     pub demotions: u64,
