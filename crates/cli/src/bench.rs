@@ -389,16 +389,14 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     preflight::check_uffd()?;
     let preload = preflight::find_preload()?;
     // SAFETY: installing an async-signal-safe handler; children still get the terminal's
-    // SIGINT and stop, and we clean up.
+    // SIGINT and stop, and we clean up. A hang-up or a closed output pipe (whoever watched
+    // the bench went away) must not kill it before it restores swap, zswap and cgroups:
+    // SIGHUP stops it like SIGINT, and SIGPIPE is ignored (a write fails instead).
     unsafe {
-        libc::signal(
-            libc::SIGINT,
-            on_interrupt as *const () as libc::sighandler_t,
-        );
-        libc::signal(
-            libc::SIGTERM,
-            on_interrupt as *const () as libc::sighandler_t,
-        );
+        for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+            libc::signal(sig, on_interrupt as *const () as libc::sighandler_t);
+        }
+        libc::signal(libc::SIGPIPE, libc::SIG_IGN);
     }
     let mut guard = Guard(Vec::new());
     let cg = if a.no_swap {

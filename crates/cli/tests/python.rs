@@ -4,7 +4,9 @@
 
 mod common;
 
-use common::{main_stats, memtide, require, stderr, Scratch};
+use std::time::Duration;
+
+use common::{main_stats, memtide, output_within, require, stderr, Scratch};
 
 const SCRIPT: &str = r#"
 import hashlib, sys
@@ -35,16 +37,18 @@ fn python_bytearray_matches_untiered_run() {
         .unwrap();
     assert!(plain.status.success(), "{}", stderr(&plain));
     let stats = s.path().join("stats.json");
-    let tiered = memtide()
-        .args(["run", "--dram", "512MiB", "--tier"])
-        .arg(s.path())
-        .arg("--stats")
-        .arg(&stats)
-        .args(["--", "python3"])
-        .arg(&script)
-        .arg(&n)
-        .output()
-        .unwrap();
+    // About 20 s here; a hang fails the test after 5 minutes instead of holding up CI.
+    let tiered = output_within(
+        memtide()
+            .args(["run", "--dram", "512MiB", "--tier"])
+            .arg(s.path())
+            .arg("--stats")
+            .arg(&stats)
+            .args(["--", "python3"])
+            .arg(&script)
+            .arg(&n),
+        Duration::from_secs(300),
+    );
     assert!(tiered.status.success(), "{}", stderr(&tiered));
     assert_eq!(
         String::from_utf8_lossy(&tiered.stdout),

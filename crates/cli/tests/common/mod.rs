@@ -126,3 +126,37 @@ pub fn fails_with(args: &[&str], needle: &str) {
         "one short message, got {err:?}"
     );
 }
+
+/// Runs `cmd` to completion like `Command::output`, but kills it and its whole process group
+/// (the program memtide started included) if it runs longer than `limit`, and then fails the
+/// test saying so: a hang costs minutes, not the whole CI budget.
+pub fn output_within(cmd: &mut Command, limit: Duration) -> Output {
+    use std::os::unix::process::CommandExt;
+    use std::process::Stdio;
+    let child = cmd
+        .process_group(0)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let (done, wait) = std::sync::mpsc::channel::<()>();
+    let watchdog = std::thread::spawn(move || {
+        let timed_out = wait.recv_timeout(limit).is_err();
+        if timed_out {
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{pid}")])
+                .status();
+        }
+        timed_out
+    });
+    let out = child.wait_with_output().unwrap();
+    let _ = done.send(());
+    let timed_out = watchdog.join().unwrap();
+    assert!(
+        !timed_out,
+        "{cmd:?} did not finish within {limit:?} (killed); its stderr:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
