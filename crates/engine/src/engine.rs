@@ -45,6 +45,16 @@ const READAHEAD: usize = 16;
 /// Faults in a row on one page the engine holds mapped before it looks whether the page is
 /// really there (see `check_mapped`).
 const MAPPED_MISSING_LIMIT: u32 = 1000;
+/// Pages a tier read brings in on the `run`-th fault of a sequential run: 1, 1, 2, 4, 8,
+/// then `READAHEAD`.
+fn readahead_window(run: usize) -> usize {
+    if run < 3 {
+        1
+    } else {
+        (1usize << (run - 2).min(8)).min(READAHEAD)
+    }
+}
+
 /// Bounce buffers for tier reads, each `READAHEAD` pages.
 const BOUNCE_BUFFERS: usize = 64;
 /// Ring entry values besides `page + 1`.
@@ -198,7 +208,10 @@ pub struct Engine {
     pause: AtomicBool,
     /// Set by the evictor once it has seen `pause` and stopped.
     parked: AtomicBool,
+    /// The last page the latest tier read brought in, and how many tier reads in a row each
+    /// started right after the one before (read-ahead grows with it).
     last_tier_fault: AtomicUsize,
+    tier_fault_run: AtomicUsize,
     pub counters: Counters,
     warnings: Mutex<Vec<String>>,
     start_ns: u64,
@@ -263,6 +276,7 @@ impl Engine {
             pause: AtomicBool::new(false),
             parked: AtomicBool::new(false),
             last_tier_fault: AtomicUsize::new(usize::MAX - 1),
+            tier_fault_run: AtomicUsize::new(0),
             counters: Counters::default(),
             warnings: Mutex::new(Vec::new()),
             start_ns: sys::now_ns(),
@@ -620,9 +634,20 @@ impl Engine {
     /// tier 1 and map it.
     fn fetch(&self, p: usize) -> bool {
         let t0 = sys::now_ns();
-        let sequential = {
-            let last = self.last_tier_fault.swap(p, Ordering::Relaxed);
-            p == last.wrapping_add(1) || p == last.wrapping_add(2)
+        // Read-ahead grows with the run of faults that each start where the last read ended
+        // (one page gap allowed): none for the first two (an object spanning two pages is
+        // not a stream), then 2, 4, 8, 16 pages.
+        let window = {
+            let last = self.last_tier_fault.load(Ordering::Relaxed);
+            let run = if p == last.wrapping_add(1) || p == last.wrapping_add(2) {
+                self.tier_fault_run
+                    .load(Ordering::Relaxed)
+                    .saturating_add(1)
+            } else {
+                1
+            };
+            self.tier_fault_run.store(run, Ordering::Relaxed);
+            readahead_window(run)
         };
         self.reserve(1);
         let Some(old) = self.pt.claim(p, State::Evicted, false) else {
@@ -632,8 +657,8 @@ impl Engine {
         let slot = self.pt.slot(p).expect("an evicted page has a tier slot");
         // Read-ahead: the following evicted pages whose slots follow on.
         let mut n = 1;
-        if sequential {
-            while n < READAHEAD && p + n < self.pt.pages() {
+        if window > 1 {
+            while n < window && p + n < self.pt.pages() {
                 let q = p + n;
                 if self.pt.slot(q) != Some(slot + n as u64)
                     || self.pt.load(q).state() != State::Evicted
@@ -682,6 +707,7 @@ impl Engine {
             };
             self.pt.publish(p + i, State::Mapped, Some(h));
         }
+        self.last_tier_fault.store(p + n - 1, Ordering::Relaxed);
         Counters::bump(&self.counters.faults_tier);
         Counters::add(&self.counters.promotions, n as u64);
         Counters::add(&self.counters.readahead_pages, n as u64 - 1);
@@ -1828,5 +1854,20 @@ fn fatal_with(what: &str, facts: &[(&str, u64)], e: &io::Error) -> ! {
     unsafe {
         libc::syscall(libc::SYS_write, 2, buf.b.as_ptr(), buf.n);
         libc::abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn readahead_grows_with_the_sequential_run() {
+        // Two faults in a row are an object spanning two pages, not a stream.
+        assert_eq!(readahead_window(1), 1);
+        assert_eq!(readahead_window(2), 1);
+        let w: Vec<usize> = (3..=8).map(readahead_window).collect();
+        assert_eq!(w, [2, 4, 8, 16, 16, 16]);
+        assert_eq!(readahead_window(usize::MAX), READAHEAD);
     }
 }
