@@ -163,6 +163,17 @@ fn short_memcached_and_redis_runs_verify_every_get() {
         let mt = &rows[1];
         assert!(mt["ops_per_sec"].as_f64().unwrap() > 0.0, "{mt}");
         assert!(mt["p99_us"].as_f64().unwrap() >= mt["p50_us"].as_f64().unwrap());
+        // Device reads per request: none to count with everything in DRAM; a count for
+        // memtide (its tier faults) and for Linux (its cgroup's major faults).
+        assert!(rows[0]["device_faults_per_op"].is_null(), "{}", rows[0]);
+        assert!(mt["device_faults_per_op"].as_f64().unwrap() >= 0.0, "{mt}");
+        if rows[2]["ops_per_sec"].as_f64().is_some() {
+            assert!(
+                rows[2]["device_faults_per_op"].as_f64().unwrap() >= 0.0,
+                "{}",
+                rows[2]
+            );
+        }
         for run in sec["runs"].as_array().unwrap() {
             if run.get("failed").is_none() {
                 assert!(run["gets_verified"].as_u64().unwrap() > 100, "{run}");
