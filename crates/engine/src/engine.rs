@@ -427,6 +427,17 @@ impl Engine {
             return;
         }
         if sys::presence_of(addr) == Some(sys::Presence::Absent) && self.pt.load(p).0 == w.0 {
+            // Where might its bytes be? A ring slot still naming the page, and whether that
+            // staging slot holds a page.
+            let named = (0..self.ring_slots)
+                .find(|&s| self.ring_entry(s).load(Ordering::Relaxed) == p as u32 + 1);
+            let named_presence =
+                named.map_or(3, |s| match sys::presence_of(self.stage_addr(s as u32)) {
+                    Some(sys::Presence::Present) => 0,
+                    Some(sys::Presence::Swapped) => 1,
+                    Some(sys::Presence::Absent) => 2,
+                    None => 3,
+                });
             fatal_with(
                 "a page the engine had mapped is missing from the program's page tables",
                 &[
@@ -434,6 +445,11 @@ impl Engine {
                     ("word", w.0 as u64),
                     ("tier slot", self.pt.slot(p).map_or(u64::MAX, |s| s)),
                     ("faults on it in a row", n as u64),
+                    ("ring slot naming it", named.unwrap_or(u64::MAX)),
+                    (
+                        "that slot (0 present, 1 swapped, 2 absent, 3 none)",
+                        named_presence,
+                    ),
                     (
                         "moves underreported",
                         self.counters.moves_underreported.load(Ordering::Relaxed),
