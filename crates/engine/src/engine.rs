@@ -432,12 +432,7 @@ impl Engine {
             let named = (0..self.ring_slots)
                 .find(|&s| self.ring_entry(s).load(Ordering::Relaxed) == p as u32 + 1);
             let named_presence =
-                named.map_or(3, |s| match sys::presence_of(self.stage_addr(s as u32)) {
-                    Some(sys::Presence::Present) => 0,
-                    Some(sys::Presence::Swapped) => 1,
-                    Some(sys::Presence::Absent) => 2,
-                    None => 3,
-                });
+                presence_code(named.and_then(|s| sys::presence_of(self.stage_addr(s as u32))));
             fatal_with(
                 "a page the engine had mapped is missing from the program's page tables",
                 &[
@@ -447,7 +442,7 @@ impl Engine {
                     ("faults on it in a row", n as u64),
                     ("ring slot naming it", named.unwrap_or(u64::MAX)),
                     (
-                        "that slot (0 present, 1 swapped, 2 absent, 3 none)",
+                        "that slot (0 present, 1 swapped, 2 absent, 3 none or unknown)",
                         named_presence,
                     ),
                     (
@@ -625,12 +620,7 @@ impl Engine {
                         ("word", old.0 as u64),
                         (
                             "staging page (0 present, 1 swapped, 2 absent, 3 unknown)",
-                            match presence {
-                                Some(sys::Presence::Present) => 0,
-                                Some(sys::Presence::Swapped) => 1,
-                                Some(sys::Presence::Absent) => 2,
-                                None => 3,
-                            },
+                            presence_code(presence),
                         ),
                     ],
                     &e2.error,
@@ -1870,6 +1860,16 @@ fn fatal_with(what: &str, facts: &[(&str, u64)], e: &io::Error) -> ! {
     unsafe {
         libc::syscall(libc::SYS_write, 2, buf.b.as_ptr(), buf.n);
         libc::abort();
+    }
+}
+
+/// A page's presence as a fatal line prints it: 0 present, 1 swapped, 2 absent, 3 unknown.
+fn presence_code(p: Option<sys::Presence>) -> u64 {
+    match p {
+        Some(sys::Presence::Present) => 0,
+        Some(sys::Presence::Swapped) => 1,
+        Some(sys::Presence::Absent) => 2,
+        None => 3,
     }
 }
 
