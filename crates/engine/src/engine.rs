@@ -584,47 +584,48 @@ impl Engine {
             self.uffd
                 .move_pages(self.addr_of(p), self.stage_addr(s), PAGE_SIZE)
         };
-        let moved_anyway = res.is_err()
-            && sys::presence_of(self.addr_of(p)).is_some_and(|a| a != sys::Presence::Absent)
-            && sys::presence_of(self.stage_addr(s)) == Some(sys::Presence::Absent);
-        if moved_anyway {
-            // The kernel reported a failure but moved the page (see `which_moved`).
-            Counters::bump(&self.counters.moves_underreported);
-        } else if let Err(e) = res {
+        if let Err(e) = res {
             let presence = sys::presence_of(self.stage_addr(s));
-            if presence == Some(sys::Presence::Swapped) {
-                // Linux swapped the inactive page out (reclaim or DAMON, with swap on): a read
-                // swaps it back in (the page table holds a swap entry: no missing-page fault).
-                // SAFETY: the staging page is ours (p is Busy) and readable once swapped in.
-                unsafe { std::ptr::read_volatile(self.stage_addr(s) as *const u8) };
-            }
-            // Fall back to a copy; the staging page stays until the evictor zaps its slot.
-            // SAFETY: the staging page is mapped and readable; the arena page is ours.
-            if let Err(e2) = unsafe {
-                self.uffd
-                    .copy(self.addr_of(p), self.stage_addr(s), PAGE_SIZE)
-            } {
-                fatal_with(
-                    "moving an inactive page back failed",
-                    &[
-                        ("move errno", e.error.raw_os_error().unwrap_or(0) as u64),
-                        ("page", p as u64),
-                        ("slot", s as u64),
-                        ("ring slots", self.ring_slots),
-                        (
-                            "entry",
-                            self.ring_entry(s as u64).load(Ordering::Relaxed) as u64,
-                        ),
-                        ("tail", self.ring_tail.load(Ordering::Relaxed)),
-                        ("head", self.ring_head.load(Ordering::Relaxed)),
-                        ("word", old.0 as u64),
-                        (
-                            "staging page (0 present, 1 swapped, 2 absent, 3 unknown)",
-                            presence_code(presence),
-                        ),
-                    ],
-                    &e2.error,
-                );
+            let moved_anyway = presence == Some(sys::Presence::Absent)
+                && sys::presence_of(self.addr_of(p)).is_some_and(|a| a != sys::Presence::Absent);
+            if moved_anyway {
+                // The kernel reported a failure but moved the page (see `which_moved`).
+                Counters::bump(&self.counters.moves_underreported);
+            } else {
+                if presence == Some(sys::Presence::Swapped) {
+                    // Linux swapped the inactive page out (reclaim or DAMON, with swap on): a read
+                    // swaps it back in (the page table holds a swap entry: no missing-page fault).
+                    // SAFETY: the staging page is ours (p is Busy) and readable once swapped in.
+                    unsafe { std::ptr::read_volatile(self.stage_addr(s) as *const u8) };
+                }
+                // Fall back to a copy; the staging page stays until the evictor zaps its slot.
+                // SAFETY: the staging page is mapped and readable; the arena page is ours.
+                if let Err(e2) = unsafe {
+                    self.uffd
+                        .copy(self.addr_of(p), self.stage_addr(s), PAGE_SIZE)
+                } {
+                    fatal_with(
+                        "moving an inactive page back failed",
+                        &[
+                            ("move errno", e.error.raw_os_error().unwrap_or(0) as u64),
+                            ("page", p as u64),
+                            ("slot", s as u64),
+                            ("ring slots", self.ring_slots),
+                            (
+                                "entry",
+                                self.ring_entry(s as u64).load(Ordering::Relaxed) as u64,
+                            ),
+                            ("tail", self.ring_tail.load(Ordering::Relaxed)),
+                            ("head", self.ring_head.load(Ordering::Relaxed)),
+                            ("word", old.0 as u64),
+                            (
+                                "staging page (0 present, 1 swapped, 2 absent, 3 unknown)",
+                                presence_code(presence),
+                            ),
+                        ],
+                        &e2.error,
+                    );
+                }
             }
         }
         self.pt.set_stage(p, NONE);
