@@ -13,7 +13,8 @@ pub mod sys;
 pub mod tier;
 pub mod uffd;
 
-pub use engine::{process_rss_bytes, Config, Engine, Fault, MemError, Pinned, StartError};
+pub use engine::{process_rss_bytes, Config, Engine, MemError, Pinned, StartError};
+pub use signal::Fault;
 pub use stats::Snapshot;
 pub use tier::TierOpenError;
 pub use uffd::OpenError;

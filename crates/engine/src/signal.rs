@@ -1,6 +1,7 @@
 //! The SIGBUS handler that runs the fault path in the faulting thread, and the bookkeeping that
 //! keeps the program's own SIGBUS handler working behind it. Entry points: [`install`],
-//! [`register`], [`set_program_handler`].
+//! [`register`] (an engine makes its memory known as a [`FaultHandler`]),
+//! [`set_program_handler`].
 //!
 //! With userfaultfd's SIGBUS feature a fault on a missing managed page raises SIGBUS in the
 //! thread that touched it; resolving it there costs a few microseconds, where handing it to
@@ -12,12 +13,29 @@ use std::io;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicUsize, Ordering};
 use std::sync::Once;
 
-use crate::engine::{Engine, Fault};
+/// What the fault path did with an address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// Resolved: return and retry the access.
+    Handled,
+    /// Not managed memory (or memory the program freed): the program's own fault.
+    NotManaged,
+}
 
-const MAX_ENGINES: usize = 8;
+/// Memory whose missing-page faults the SIGBUS handler resolves. Both methods run in a signal
+/// handler: no locks, no allocation.
+pub trait FaultHandler: Sync {
+    /// Whether `addr` lies in this handler's memory.
+    fn contains(&self, addr: usize) -> bool;
+    /// Resolves a fault at `addr`.
+    fn handle_fault(&self, addr: usize) -> Fault;
+}
 
-static ENGINES: [AtomicPtr<Engine>; MAX_ENGINES] =
-    [const { AtomicPtr::new(std::ptr::null_mut()) }; MAX_ENGINES];
+const MAX_HANDLERS: usize = 8;
+
+/// Registered handlers: each points at a leaked `&'static dyn FaultHandler`.
+static HANDLERS: [AtomicPtr<&'static dyn FaultHandler>; MAX_HANDLERS] =
+    [const { AtomicPtr::new(std::ptr::null_mut()) }; MAX_HANDLERS];
 
 /// The handler that was installed before ours (used until the program installs its own).
 static PREV_HANDLER: AtomicUsize = AtomicUsize::new(libc::SIG_DFL);
@@ -87,10 +105,10 @@ pub fn install() -> io::Result<()> {
     }
 }
 
-/// Makes `engine`'s arena visible to the handler.
-pub fn register(engine: &'static Engine) {
-    let ptr = engine as *const Engine as *mut Engine;
-    for slot in &ENGINES {
+/// Makes `handler`'s memory visible to the SIGBUS handler (for the life of the process).
+pub fn register(handler: &'static dyn FaultHandler) {
+    let ptr: *mut &'static dyn FaultHandler = Box::leak(Box::new(handler));
+    for slot in &HANDLERS {
         if slot
             .compare_exchange(
                 std::ptr::null_mut(),
@@ -103,18 +121,18 @@ pub fn register(engine: &'static Engine) {
             return;
         }
     }
-    panic!("more than {MAX_ENGINES} memtide engines in one process");
+    panic!("more than {MAX_HANDLERS} memtide engines in one process");
 }
 
-/// The engine whose arena holds `addr`, if any.
-pub fn engine_for(addr: usize) -> Option<&'static Engine> {
-    for slot in &ENGINES {
+/// The handler whose memory holds `addr`, if any.
+fn handler_for(addr: usize) -> Option<&'static dyn FaultHandler> {
+    for slot in &HANDLERS {
         let p = slot.load(Ordering::Acquire);
         if p.is_null() {
             return None;
         }
-        // SAFETY: registered engines are leaked ('static) and never unregistered.
-        let e = unsafe { &*p };
+        // SAFETY: registered handlers are leaked ('static) and never unregistered.
+        let e = unsafe { *p };
         if e.contains(addr) {
             return Some(e);
         }
@@ -146,7 +164,7 @@ pub fn set_program_handler(act: Option<&libc::sigaction>, old: Option<&mut libc:
 extern "C" fn on_sigbus(sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
     // SAFETY: errno is thread-local and always valid; the kernel passes a valid siginfo.
     let (errno, addr) = unsafe { (*libc::__errno_location(), (*info).si_addr() as usize) };
-    if let Some(e) = engine_for(addr) {
+    if let Some(e) = handler_for(addr) {
         if e.handle_fault(addr) == Fault::Handled {
             // SAFETY: restoring the interrupted code's errno.
             unsafe { *libc::__errno_location() = errno };

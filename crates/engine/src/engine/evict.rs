@@ -1,0 +1,486 @@
+//! Eviction: the evictor thread ages every page's history once per epoch, unmaps the idlest
+//! mapped pages into the staging ring (the inactive list) with `UFFDIO_MOVE`, and writes the
+//! oldest inactive pages to tier 1 in batches of consecutive slots, releasing their DRAM only
+//! once their bytes are safe. Entry point: the thread started by [`Engine::start`]
+//! (`evictor_main`).
+
+use std::sync::atomic::Ordering;
+
+use memtide_policy::{EpochClock, Sweep, Watermarks, PAGE_SIZE};
+
+use super::fatal::fatal;
+use super::ring::{RING_DEAD, RING_EMPTY};
+use super::Engine;
+use crate::pages::{State, NONE};
+use crate::stats::Counters;
+use crate::sys;
+
+impl Engine {
+    pub(super) fn evictor_main(&self) {
+        let mut sweep = Sweep::default();
+        let mut clock = EpochClock::new(self.epoch_ns);
+        let mut hand = 0usize;
+        let mut victims: Vec<usize> = Vec::with_capacity(Watermarks::MAX_BATCH as usize * 4);
+        let mut writing: Vec<(usize, u32)> = Vec::with_capacity(Watermarks::MAX_BATCH as usize);
+        loop {
+            if self.pause.load(Ordering::Acquire) {
+                self.parked.store(true, Ordering::Release);
+                let k = self.bell.seen();
+                self.bell.wait(k, 1_000_000);
+                continue;
+            }
+            self.parked.store(false, Ordering::Release);
+            let cpu0 = sys::thread_cpu_ns();
+            let now = sys::now_ns();
+            if clock.tick(now) {
+                self.age_all();
+                Counters::bump(&self.counters.epochs);
+            }
+            let ecpu0 = sys::thread_cpu_ns();
+            if !self.detached.load(Ordering::Acquire) && !self.tier_failed.load(Ordering::Acquire) {
+                self.relieve_pressure(&mut sweep, &mut hand, &mut victims, &mut writing);
+            }
+            let cpu1 = sys::thread_cpu_ns();
+            Counters::add(&self.counters.scan_cpu_ns, ecpu0 - cpu0);
+            Counters::add(&self.counters.evict_cpu_ns, cpu1 - ecpu0);
+
+            let k = self.bell.seen();
+            self.bell.set_sleeping(true);
+            if !self.quota.wm.over_high(self.quota.resident())
+                || self.tier_failed.load(Ordering::Acquire)
+                || self.detached.load(Ordering::Acquire)
+            {
+                let wait = clock
+                    .remaining_ns(sys::now_ns())
+                    .clamp(1_000_000, 50_000_000);
+                self.bell.wait(k, wait);
+            }
+            self.bell.set_sleeping(false);
+        }
+    }
+
+    /// Writes back until resident memory is under the low watermark, refilling the inactive
+    /// list as it goes; or, near the quota, keeps the inactive list filled so that hot pages
+    /// show themselves by faulting back.
+    fn relieve_pressure(
+        &self,
+        sweep: &mut Sweep,
+        hand: &mut usize,
+        victims: &mut Vec<usize>,
+        writing: &mut Vec<(usize, u32)>,
+    ) {
+        let wm = self.quota.wm;
+        let resident = self.quota.resident();
+        if !wm.over_high(resident) {
+            if resident + wm.low_headroom + wm.inactive_target >= wm.quota {
+                let staged = self.ring.staged.load(Ordering::Acquire);
+                if staged < wm.inactive_target {
+                    self.deactivate(wm.inactive_target - staged, sweep, hand, victims);
+                }
+            }
+            self.quota.set_overcommit(false);
+            return;
+        }
+        while !wm.under_low(self.quota.resident()) {
+            let staged = self.ring.staged.load(Ordering::Acquire);
+            let mut progress = 0;
+            if staged < wm.inactive_target {
+                progress += self.deactivate(wm.inactive_target - staged, sweep, hand, victims);
+            }
+            progress += self.write_back(wm.batch, writing);
+            if self.tier_failed.load(Ordering::Acquire) || self.pause.load(Ordering::Acquire) {
+                break;
+            }
+            if progress == 0 {
+                // Nothing evictable right now (everything pinned, in flight, or tiny): let
+                // faulting threads through rather than have them wait on us.
+                self.quota.set_overcommit(true);
+                self.quota.wake_waiters();
+                return;
+            }
+            self.quota.set_overcommit(false);
+            self.quota.wake_waiters();
+        }
+    }
+
+    /// Ends an epoch: shifts every page's history and counts active memory.
+    fn age_all(&self) {
+        let hw = self.high_water.load(Ordering::Acquire);
+        let mut active = 0u64;
+        for i in 0..hw {
+            let w = self.pt.load(i);
+            if matches!(w.state(), State::Free | State::Unpopulated) {
+                continue;
+            }
+            if self.pt.age(i).is_active() {
+                active += 1;
+            }
+        }
+        self.counters.active_pages.store(active, Ordering::Relaxed);
+    }
+
+    /// Moves up to `want` of the coldest mapped pages into the inactive list (staging). Returns
+    /// how many it moved.
+    fn deactivate(
+        &self,
+        want: u64,
+        sweep: &mut Sweep,
+        hand: &mut usize,
+        victims: &mut Vec<usize>,
+    ) -> u64 {
+        let want = want.min(self.ring.room()).min(victims.capacity() as u64) as usize;
+        let hw = self.high_water.load(Ordering::Acquire);
+        if want == 0 || hw == 0 {
+            return 0;
+        }
+        victims.clear();
+        sweep.want(want as u64);
+        // Up to MAX_IDLE + 1 passes: each pass that comes up short lowers the bar.
+        let mut scanned = 0usize;
+        while victims.len() < want && scanned < hw * (Sweep::MAX_IDLE as usize + 1) {
+            if *hand >= hw {
+                *hand = 0;
+                sweep.end_pass((want - victims.len()) as u64);
+            }
+            let i = *hand;
+            *hand += 1;
+            scanned += 1;
+            let w = self.pt.load(i);
+            if w.state() == State::Mapped
+                && w.pins() == 0
+                && sweep.take(w.history())
+                && self.pt.claim(i, State::Mapped, true).is_some()
+            {
+                victims.push(i);
+            }
+        }
+        if !self.locked {
+            // Unlocked memory may have been swapped out by Linux: only pages in DRAM move.
+            victims.retain(|&p| {
+                let present = sys::presence_of(self.addr_of(p)) == Some(sys::Presence::Present);
+                if !present {
+                    self.handle_unmovable(p);
+                }
+                present
+            });
+        }
+        // Victims are in address order: move runs of neighbours in one call each.
+        let mut moved_total = 0u64;
+        let mut k = 0;
+        while k < victims.len() {
+            let head = self.ring.head();
+            let s0 = (head % self.ring.slots()) as u32;
+            let start = k;
+            while k < victims.len()
+                && victims[k] == victims[start] + (k - start)
+                && (s0 as u64 + (k - start) as u64) < self.ring.slots()
+            {
+                k += 1;
+            }
+            let n = k - start;
+            let first = victims[start];
+            // SAFETY: pages first..first+n are ours (Busy) and mapped; staging slots
+            // s0..s0+n are free (between tail and head nothing else lives there) and missing.
+            let res = unsafe {
+                self.uffd
+                    .move_pages(self.ring.addr(s0), self.addr_of(first), n * PAGE_SIZE)
+            };
+            // After a failure, which pages moved is read from the page tables: the count
+            // the kernel reports is not trusted with the program's data.
+            let moved = match res {
+                Ok(()) => None,
+                Err(e) => Some(self.which_moved(first, s0, n, e.done / PAGE_SIZE)),
+            };
+            for j in 0..n {
+                let p = first + j;
+                let s = s0 + j as u32;
+                if moved.as_ref().is_none_or(|m| m[j]) {
+                    self.pt.set_stage(p, s);
+                    self.ring
+                        .entry(s as u64)
+                        .store(p as u32 + 1, Ordering::Release);
+                    self.pt.publish(p, State::Staged, None);
+                    moved_total += 1;
+                } else {
+                    self.ring
+                        .entry(s as u64)
+                        .store(RING_EMPTY, Ordering::Release);
+                    // Why did it stay? (Each page is asked: one that is not there at all
+                    // must not be taken for mapped.)
+                    self.handle_unmovable(p);
+                }
+            }
+            self.ring.set_head(head + n as u64);
+        }
+        self.ring.staged.fetch_add(moved_total, Ordering::AcqRel);
+        Counters::add(&self.counters.deactivations, moved_total);
+        moved_total
+    }
+
+    /// After a move of pages `first..first+n` to staging slots `s0..` failed with `done` pages
+    /// reported moved: which pages did move, read from the page tables (a page moved when its
+    /// arena address is empty and its staging slot holds a page). Pages the kernel reported
+    /// are taken as moved. If it moved more than it reported, the engine says so once: those
+    /// pages would otherwise be taken for mapped while their bytes sat in a staging slot about
+    /// to be discarded.
+    fn which_moved(&self, first: usize, s0: u32, n: usize, done: usize) -> Vec<bool> {
+        let mut moved = vec![false; n];
+        moved[..done.min(n)].fill(true);
+        if done >= n {
+            return moved;
+        }
+        let mut arena = vec![sys::Presence::Absent; n - done];
+        let mut staging = vec![sys::Presence::Absent; n - done];
+        let read = sys::presence(self.addr_of(first + done), &mut arena)
+            .and_then(|()| sys::presence(self.ring.addr(s0 + done as u32), &mut staging));
+        if read.is_err() {
+            return moved;
+        }
+        let mut extra = 0u64;
+        for j in done..n {
+            if arena[j - done] == sys::Presence::Absent
+                && staging[j - done] != sys::Presence::Absent
+            {
+                moved[j] = true;
+                extra += 1;
+            }
+        }
+        if extra > 0 {
+            Counters::add(&self.counters.moves_underreported, extra);
+            if self.counters.moves_underreported.load(Ordering::Relaxed) == extra {
+                self.warn(format!(
+                    "the kernel reported a page move as failed although {extra} page(s) moved; \
+                     memtide follows the page tables (counted as moves_underreported)"
+                ));
+            }
+        }
+        moved
+    }
+
+    /// A mapped page that UFFDIO_MOVE refused. Nothing there: the program zapped it without
+    /// telling us (it reads as zeros now); anything else (swapped out by Linux, shared after
+    /// fork, pinned by the kernel for I/O, or pagemap unreadable): it stays mapped.
+    fn handle_unmovable(&self, p: usize) {
+        if sys::presence_of(self.addr_of(p)) == Some(sys::Presence::Absent) {
+            if let Some(s) = self.pt.slot(p) {
+                self.slots().free(s);
+                self.pt.set_slot(p, None);
+            }
+            self.quota.unreserve(1);
+            self.pt.publish(p, State::Unpopulated, None);
+        } else {
+            self.pt.publish(p, State::Mapped, None);
+        }
+    }
+
+    /// Writes up to `batch` of the oldest inactive pages to tier 1 and releases their DRAM.
+    /// Returns how many pages left DRAM.
+    fn write_back(&self, batch: u64, writing: &mut Vec<(usize, u32)>) -> u64 {
+        let tail0 = self.ring.tail();
+        let head = self.ring.head();
+        let end = head.min(tail0 + batch);
+        if end == tail0 {
+            return 0;
+        }
+        writing.clear();
+        let mut dead = 0u64;
+        for pos in tail0..end {
+            let entry = self.ring.entry(pos);
+            let s = (pos % self.ring.slots()) as u32;
+            loop {
+                let e = entry.load(Ordering::Acquire);
+                if e == RING_EMPTY {
+                    break;
+                }
+                if e == RING_DEAD {
+                    dead += 1;
+                    break;
+                }
+                let p = (e - 1) as usize;
+                let w = self.pt.load(p);
+                if w.state() == State::Staged && self.pt.stage(p) == s {
+                    if self.pt.claim(p, State::Staged, false).is_some() {
+                        // Claimed as Busy; mark Writing so faulting threads wait for us.
+                        self.pt.publish(p, State::Writing, None);
+                        writing.push((p, s));
+                        break;
+                    }
+                    continue;
+                }
+                if w.state() == State::Busy && self.pt.stage(p) == s {
+                    // Someone is taking it out of this slot (a fault, a free, a move): wait
+                    // for them, then look again at what the slot holds.
+                    self.pt.wait(p, w);
+                    continue;
+                }
+                if entry.load(Ordering::Acquire) != e {
+                    // The slot changed hands (a move renamed its page) while we looked.
+                    continue;
+                }
+                break;
+            }
+        }
+        // Classify: zero pages and clean pages need no write.
+        let mut dirty: Vec<(usize, u32, u64)> = Vec::with_capacity(writing.len());
+        let mut zero = 0u64;
+        let mut clean = 0u64;
+        let mut gone: Vec<usize> = Vec::new();
+        for &(p, s) in writing.iter() {
+            let a = self.ring.addr(s);
+            // SAFETY: the staging page is mapped (Writing is ours) and readable.
+            if unsafe { sys::page_is_zero(a) } {
+                zero += 1;
+                gone.push(p);
+                continue;
+            }
+            // SAFETY: as above.
+            let bytes = unsafe { std::slice::from_raw_parts(a as *const u8, PAGE_SIZE) };
+            let h = xxhash_rust::xxh3::xxh3_64(bytes);
+            if self.pt.slot(p).is_some() && self.pt.hash(p) == h {
+                clean += 1;
+            } else {
+                dirty.push((p, s, h));
+            }
+        }
+        let mut failed: Vec<(usize, u32)> = Vec::new();
+        if !dirty.is_empty() {
+            self.write_dirty(&dirty, &mut failed);
+        }
+        // Publish: written and clean pages are evicted; zero pages drop their tier copy.
+        {
+            let mut slots = self.slots();
+            for &p in &gone {
+                if let Some(s) = self.pt.slot(p) {
+                    slots.free(s);
+                    self.pt.set_slot(p, None);
+                }
+            }
+        }
+        let mut left = 0u64;
+        for &(p, s) in writing.iter() {
+            if failed.iter().any(|&(q, _)| q == p) {
+                // Tier 1 would not take it: put it back where the program can reach it.
+                // SAFETY: the page is ours (Writing), its bytes at staging slot s, its arena
+                // address missing.
+                if let Err(e) = unsafe {
+                    self.uffd
+                        .move_pages(self.addr_of(p), self.ring.addr(s), PAGE_SIZE)
+                } {
+                    fatal("putting back a page tier 1 refused failed", &e.error);
+                }
+                self.pt.set_stage(p, NONE);
+                self.pt.publish(p, State::Mapped, None);
+                continue;
+            }
+            self.pt.set_stage(p, NONE);
+            let to = if gone.contains(&p) {
+                State::Unpopulated
+            } else {
+                State::Evicted
+            };
+            self.pt.publish(p, to, None);
+            left += 1;
+        }
+        // Release the DRAM of every processed slot at once (one TLB shootdown per batch).
+        self.ring.zap(tail0, end);
+        self.ring.set_tail(end);
+        let released = left + dead;
+        self.ring
+            .staged
+            .fetch_sub(released + failed.len() as u64, Ordering::AcqRel);
+        self.quota.unreserve(released);
+        Counters::add(&self.counters.demotions, left);
+        Counters::add(&self.counters.demotions_clean, clean);
+        Counters::add(&self.counters.demotions_zero, zero);
+        // Pages that went back count as progress only if something else did.
+        released
+    }
+
+    /// Writes dirty pages to runs of consecutive tier slots, all runs at once. Pages that could
+    /// not be written are pushed to `failed`, and tier 1 is marked failed (eviction stops, data
+    /// stays in DRAM).
+    fn write_dirty(&self, dirty: &[(usize, u32, u64)], failed: &mut Vec<(usize, u32)>) {
+        // Slots first: as many runs as it takes.
+        let mut runs: Vec<(u64, usize, usize)> = Vec::new();
+        let mut k = 0;
+        let mut full = false;
+        {
+            let mut slots = self.slots();
+            while k < dirty.len() {
+                match slots.alloc_run((dirty.len() - k) as u64, |n| self.tier.grow(n).is_ok()) {
+                    Some((first, n)) => {
+                        runs.push((first, k, n as usize));
+                        k += n as usize;
+                    }
+                    None => {
+                        full = true;
+                        break;
+                    }
+                }
+            }
+        }
+        let written = k;
+        let addrs: Vec<usize> = dirty[..written]
+            .iter()
+            .map(|&(_, s, _)| self.ring.addr(s))
+            .collect();
+        let io: Vec<(u64, &[usize])> = runs
+            .iter()
+            .map(|&(first, start, n)| (first, &addrs[start..start + n]))
+            .collect();
+        let res = if io.is_empty() {
+            Ok(())
+        } else {
+            // SAFETY: every address is a mapped staging page owned by us (Writing).
+            unsafe { self.tier.write_runs(&io) }
+        };
+        let mut slots = self.slots();
+        match res {
+            Ok(()) => {
+                Counters::add(
+                    &self.counters.tier_write_bytes,
+                    (written * PAGE_SIZE) as u64,
+                );
+                Counters::add(&self.counters.tier_write_ops, runs.len() as u64);
+                for &(first, start, n) in &runs {
+                    for (j, &(p, _, h)) in dirty[start..start + n].iter().enumerate() {
+                        if let Some(old) = self.pt.slot(p) {
+                            slots.free(old);
+                        }
+                        self.pt.set_slot(p, Some(first + j as u64));
+                        self.pt.set_hash(p, h);
+                    }
+                }
+            }
+            Err(e) => {
+                Counters::bump(&self.counters.tier_errors);
+                for &(first, _, n) in &runs {
+                    for j in 0..n as u64 {
+                        slots.free(first + j);
+                    }
+                }
+                drop(slots);
+                self.warn(format!(
+                    "writing to tier 1 failed ({e}); keeping further pages in DRAM"
+                ));
+                self.fail_tier(dirty, failed);
+                return;
+            }
+        }
+        drop(slots);
+        if full {
+            self.warn(format!(
+                "tier 1 is full or cannot grow ({}); keeping further pages in DRAM",
+                self.tier.describe()
+            ));
+            self.fail_tier(&dirty[written..], failed);
+        }
+    }
+
+    fn fail_tier(&self, rest: &[(usize, u32, u64)], failed: &mut Vec<(usize, u32)>) {
+        self.tier_failed.store(true, Ordering::Release);
+        self.quota.set_overcommit(true);
+        failed.extend(rest.iter().map(|&(p, s, _)| (p, s)));
+        self.quota.wake_waiters();
+    }
+}

@@ -1,0 +1,446 @@
+//! The engine: one arena of managed memory registered with userfaultfd, its page table, and
+//! the stages of a page's life, a file each: the fault path (`fault.rs`, run in the faulting
+//! thread), eviction and write-back (`evict.rs`, the evictor thread), and the program's own
+//! memory calls (`region.rs`: free, discard, mremap, pins, fork). Small shared pieces have
+//! files of their own: the staging ring (`ring.rs`), the DRAM quota (`quota.rs`) and the fatal
+//! stop (`fatal.rs`). This file holds the engine object, its start and its reports. Entry
+//! points: [`Engine::start`], [`Engine::alloc`], [`Engine::handle_fault`].
+//!
+//! # How a page moves
+//!
+//! ```text
+//!  Unpopulated --first touch (zero-fill, 16-page chunks)--> Mapped
+//!  Mapped --evictor: UFFDIO_MOVE to a staging slot--> Staged      (the inactive list)
+//!  Staged --program touches it: UFFDIO_MOVE back--> Mapped        (a hint fault: it is hot)
+//!  Staged --evictor: write to tier 1 (or drop if clean/zero)--> Evicted (or Unpopulated)
+//!  Evicted --program touches it: read tier 1, UFFDIO_COPY--> Mapped (tier copy kept: clean)
+//! ```
+//!
+//! # Invariants
+//!
+//! - No write is lost: a page leaves the program's view only by `UFFDIO_MOVE`, which unmaps
+//!   and moves it atomically; its DRAM is released (staging zapped) only after its bytes are in
+//!   tier 1 (the write returned) or are known to equal the tier copy or to be all zero.
+//! - The fault path takes no locks and allocates nothing (it runs in a signal handler); it
+//!   waits only on page words and on the quota, each with a timeout, and the evictor, which
+//!   it waits for, never waits for a quota.
+//! - The quota's `resident` counts pages holding DRAM (mapped, staged, writing, or in
+//!   flight); a faulting thread reserves quota before it claims a page.
+
+mod evict;
+mod fatal;
+mod fault;
+mod quota;
+mod region;
+mod ring;
+
+use std::io;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use memtide_policy::{Watermarks, PAGE_SIZE};
+
+use crate::arena::RangeAlloc;
+use crate::pages::{PageTable, State};
+pub use crate::signal::Fault;
+use crate::signal::FaultHandler;
+use crate::stats::{Counters, Snapshot};
+use crate::sys::{self, Mapping};
+use crate::tier::{self, Backend, FileTier, SlotMap, TierOpenError};
+use crate::uffd::{OpenError, Uffd};
+
+use fault::{BouncePool, SequentialRun};
+use quota::{Doorbell, Quota};
+use ring::StagingRing;
+
+pub use region::Pinned;
+
+/// Pages zero-filled together on a first touch (64 KiB).
+const ZERO_CHUNK: usize = 16;
+
+/// What the engine is asked to do.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// DRAM quota for managed memory, in bytes.
+    pub dram_bytes: u64,
+    /// Directory to create the tier file in, or the file to create.
+    pub tier_path: PathBuf,
+    /// Most bytes tier 1 may hold (default: the arena's size).
+    pub tier_bytes: Option<u64>,
+    /// Virtual size of the arena: the most managed memory the program can have at once.
+    pub arena_bytes: u64,
+    /// Length of an activeness epoch.
+    pub epoch_ms: u64,
+}
+
+impl Config {
+    /// The defaults for a quota and a tier path.
+    pub fn new(dram_bytes: u64, tier_path: impl Into<PathBuf>) -> Config {
+        Config {
+            dram_bytes,
+            tier_path: tier_path.into(),
+            tier_bytes: None,
+            arena_bytes: 1 << 40,
+            epoch_ms: 200,
+        }
+    }
+}
+
+/// Why the engine could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Uffd(#[from] OpenError),
+    #[error(transparent)]
+    Tier(#[from] TierOpenError),
+    #[error("the DRAM quota must be at least 64 KiB")]
+    QuotaTooSmall,
+    #[error("cannot {what}: {source}")]
+    Io {
+        what: &'static str,
+        source: io::Error,
+    },
+}
+
+fn io_err(what: &'static str) -> impl FnOnce(io::Error) -> StartError {
+    move |source| StartError::Io { what, source }
+}
+
+/// Why a managed-memory call failed.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum MemError {
+    #[error("the arena has no room for the request")]
+    NoRoom,
+    #[error("the range is not managed memory")]
+    NotManaged,
+    #[error("this form of the call is not supported on managed memory")]
+    Unsupported,
+}
+
+/// The engine for one process's managed memory.
+pub struct Engine {
+    // Field order is drop order: the uffd goes after the mappings registered with it, which
+    // is harmless either way; the engine is never dropped while the program runs.
+    arena: Mapping,
+    /// The inactive list: staged pages, unmapped from the program, still in DRAM.
+    ring: StagingRing,
+    pt: PageTable,
+    uffd: Uffd,
+    tier: Box<dyn Backend>,
+    slots: Mutex<SlotMap>,
+    ranges: Mutex<RangeAlloc>,
+    high_water: AtomicUsize,
+    zero: Mapping,
+    bounce: BouncePool,
+    quota: Quota,
+    /// Wakes the evictor early.
+    bell: Doorbell,
+    epoch_ns: u64,
+    tier_failed: AtomicBool,
+    /// Set after `fork` fallback: memory is all in DRAM and no longer registered.
+    detached: AtomicBool,
+    /// Whether the arena and staging area are locked in DRAM (see `start`).
+    locked: bool,
+    /// Asks the evictor to stop (for `fork` and for audits).
+    pause: AtomicBool,
+    /// Set by the evictor once it has seen `pause` and stopped.
+    parked: AtomicBool,
+    /// Where tier reads ended, for read-ahead.
+    sequential: SequentialRun,
+    pub counters: Counters,
+    warnings: Mutex<Vec<String>>,
+    start_ns: u64,
+    pid: u32,
+}
+
+impl Engine {
+    /// Creates the arena, the tier file and the evictor thread, and installs the fault handler.
+    /// The engine lives as long as the process.
+    pub fn start(cfg: &Config) -> Result<&'static Engine, StartError> {
+        if cfg.dram_bytes < (ZERO_CHUNK * PAGE_SIZE) as u64 {
+            return Err(StartError::QuotaTooSmall);
+        }
+        let uffd = Uffd::open()?;
+        let (tier, tier_note) = tier::best(FileTier::create(&cfg.tier_path)?);
+        let arena_pages = (cfg.arena_bytes as usize / PAGE_SIZE).max(ZERO_CHUNK);
+        let arena = Mapping::anon(arena_pages * PAGE_SIZE).map_err(io_err("reserve the arena"))?;
+        let wm = Watermarks::for_quota(cfg.dram_bytes / PAGE_SIZE as u64);
+        let ring = StagingRing::new(wm.inactive_target + 4 * wm.batch)
+            .map_err(io_err("reserve the staging area"))?;
+        for m in [&arena, ring.area()] {
+            // SAFETY: advice on our own fresh mappings; NOHUGEPAGE keeps every page 4 KiB so
+            // that moves never split huge pages.
+            unsafe { sys::madvise(m.addr(), m.len(), libc::MADV_NOHUGEPAGE) }
+                .map_err(io_err("configure the arena"))?;
+            uffd.register(m.addr(), m.len())
+                .map_err(io_err("register the arena with userfaultfd"))?;
+        }
+        // Managed DRAM is locked as it is faulted in: memtide decides what leaves DRAM, and
+        // Linux must not swap managed pages out behind it (a page moved with UFFDIO_MOVE while
+        // swapped out can come back as zeros on this kernel). Without the privilege to lock
+        // (RLIMIT_MEMLOCK), the evictor skips swapped-out pages instead.
+        let locked = [&arena, ring.area()]
+            .iter()
+            .all(|m| sys::lock_on_fault(m.addr(), m.len()).is_ok());
+        let tier_limit = cfg.tier_bytes.unwrap_or(cfg.arena_bytes) / PAGE_SIZE as u64;
+        let engine = Box::leak(Box::new(Engine {
+            ring,
+            pt: PageTable::new(arena_pages).map_err(io_err("map the page table"))?,
+            tier,
+            slots: Mutex::new(SlotMap::new(tier_limit.min(u32::MAX as u64 - 2))),
+            ranges: Mutex::new(RangeAlloc::new(arena_pages)),
+            high_water: AtomicUsize::new(0),
+            zero: Mapping::anon(ZERO_CHUNK * PAGE_SIZE).map_err(io_err("map zeros"))?,
+            bounce: BouncePool::new().map_err(io_err("map bounce buffers"))?,
+            quota: Quota::new(wm),
+            bell: Doorbell::default(),
+            epoch_ns: cfg.epoch_ms.max(1) * 1_000_000,
+            tier_failed: AtomicBool::new(false),
+            detached: AtomicBool::new(false),
+            locked,
+            pause: AtomicBool::new(false),
+            parked: AtomicBool::new(false),
+            sequential: SequentialRun::new(),
+            counters: Counters::default(),
+            warnings: Mutex::new(Vec::new()),
+            start_ns: sys::now_ns(),
+            pid: std::process::id(),
+            arena,
+            uffd,
+        }));
+        if let Some(note) = tier_note {
+            engine.warn(note);
+        }
+        let swap_on = std::fs::read_to_string("/proc/swaps").is_ok_and(|s| s.lines().count() > 1);
+        if !engine.locked && swap_on {
+            engine.warn("cannot lock managed memory in DRAM (needs CAP_IPC_LOCK or a larger RLIMIT_MEMLOCK) and swap is on: Linux may swap managed pages out; memtide leaves those alone until they are touched".into());
+        }
+        if !engine.tier.direct() {
+            engine.warn(format!(
+                "tier {} does not support O_DIRECT; using buffered I/O (tier reads may be served from the page cache)",
+                cfg.tier_path.display()
+            ));
+        }
+        crate::signal::install().map_err(io_err("install the SIGBUS handler"))?;
+        let e: &'static Engine = engine;
+        crate::signal::register(e);
+        std::thread::Builder::new()
+            .name("memtide-evict".into())
+            .spawn(move || {
+                // A dead evictor would leave faulting threads waiting for room forever: a
+                // panic here ends the process loudly instead.
+                if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| e.evictor_main()))
+                    .is_err()
+                {
+                    eprintln!("memtide: fatal: the evictor thread panicked");
+                    std::process::abort();
+                }
+            })
+            .map_err(io_err("start the evictor thread"))?;
+        Ok(e)
+    }
+
+    // ----- addresses -----
+
+    pub fn contains(&self, addr: usize) -> bool {
+        addr.wrapping_sub(self.arena.addr()) < self.arena.len()
+    }
+
+    fn page_of(&self, addr: usize) -> usize {
+        (addr - self.arena.addr()) / PAGE_SIZE
+    }
+
+    fn addr_of(&self, page: usize) -> usize {
+        self.arena.addr() + page * PAGE_SIZE
+    }
+
+    /// The tier slot map. A panic while it was held cannot leave it inconsistent (every update
+    /// is one bitmap change and its counter), so a poisoned lock is taken as is.
+    fn slots(&self) -> std::sync::MutexGuard<'_, SlotMap> {
+        self.slots.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The DRAM quota in bytes.
+    pub fn quota_bytes(&self) -> u64 {
+        self.quota.wm.quota * PAGE_SIZE as u64
+    }
+
+    /// Pages of managed memory the program currently has allocated.
+    pub fn managed_pages(&self) -> u64 {
+        self.counters.managed_pages.load(Ordering::Relaxed)
+    }
+
+    /// Pages currently holding DRAM.
+    pub fn resident_pages(&self) -> u64 {
+        self.quota.resident()
+    }
+
+    fn warn(&self, msg: String) {
+        if let Ok(mut w) = self.warnings.lock() {
+            if !w.contains(&msg) {
+                eprintln!("memtide: warning: {msg}");
+                w.push(msg);
+            }
+        }
+    }
+
+    // ----- reporting -----
+
+    /// The counters now.
+    pub fn snapshot(&self) -> Snapshot {
+        let c = &self.counters;
+        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let page = PAGE_SIZE as u64;
+        let (tier_pages, tier_file_pages) = {
+            let s = self.slots();
+            (s.in_use(), s.len())
+        };
+        Snapshot {
+            pid: self.pid,
+            elapsed_seconds: (sys::now_ns() - self.start_ns) as f64 / 1e9,
+            quota_bytes: self.quota.wm.quota * page,
+            dram_bytes: self.quota.resident() * page,
+            peak_dram_bytes: r(&c.peak_resident_pages) * page,
+            inactive_bytes: self.ring.staged.load(Ordering::Relaxed) * page,
+            tier_bytes: tier_pages * page,
+            tier_file_bytes: tier_file_pages * page,
+            managed_bytes: r(&c.managed_pages) * page,
+            peak_managed_bytes: r(&c.peak_managed_pages) * page,
+            active_bytes: r(&c.active_pages) * page,
+            process_rss_bytes: process_rss_bytes(),
+            faults_zero: r(&c.faults_zero),
+            faults_tier: r(&c.faults_tier),
+            faults_inactive: r(&c.faults_inactive),
+            faults_wait: r(&c.faults_wait),
+            moves_underreported: r(&c.moves_underreported),
+            readahead_pages: r(&c.readahead_pages),
+            promotions: r(&c.promotions),
+            demotions: r(&c.demotions),
+            demotions_clean: r(&c.demotions_clean),
+            demotions_zero: r(&c.demotions_zero),
+            deactivations: r(&c.deactivations),
+            tier_read_bytes: r(&c.tier_read_bytes),
+            tier_write_bytes: r(&c.tier_write_bytes),
+            tier_write_ops: r(&c.tier_write_ops),
+            tier_errors: r(&c.tier_errors),
+            tier_read_latency_p50_us: c.tier_read_latency.quantile_us(0.5),
+            tier_read_latency_p99_us: c.tier_read_latency.quantile_us(0.99),
+            fault_tier_latency_p50_us: c.fault_tier_latency.quantile_us(0.5),
+            fault_tier_latency_p99_us: c.fault_tier_latency.quantile_us(0.99),
+            quota_waits: r(&c.quota_waits),
+            quota_overruns: r(&c.quota_overruns),
+            epochs: r(&c.epochs),
+            scan_cpu_seconds: r(&c.scan_cpu_ns) as f64 / 1e9,
+            evict_cpu_seconds: r(&c.evict_cpu_ns) as f64 / 1e9,
+            tier: self.tier.describe(),
+            warnings: self.warnings.lock().map(|w| w.clone()).unwrap_or_default(),
+        }
+    }
+
+    /// What the engine knows of the page at `addr`, for a test's failure message.
+    #[doc(hidden)]
+    pub fn describe_page(&self, addr: usize) -> String {
+        if !self.contains(addr) {
+            return "not managed".into();
+        }
+        let p = self.page_of(addr);
+        let w = self.pt.load(p);
+        format!(
+            "page {p}: {:?}, tier slot {:?}, stage {}, arena {:?}",
+            w.state(),
+            self.pt.slot(p),
+            self.pt.stage(p) as i64,
+            sys::presence_of(addr)
+        )
+    }
+
+    /// Checks the page table's books (for tests, with the program's threads quiet): resident
+    /// pages equal mapped and staged pages plus dead ring entries, every evicted page has a
+    /// slot, every staged page is named by its ring slot. Pauses the evictor while it looks.
+    pub fn audit(&self) -> Result<(), String> {
+        self.pause_evictor();
+        let r = self.audit_paused();
+        self.resume_evictor();
+        r
+    }
+
+    fn audit_paused(&self) -> Result<(), String> {
+        let hw = self.high_water.load(Ordering::Acquire);
+        let mut mapped = 0u64;
+        let mut staged = 0u64;
+        let mut present = vec![sys::Presence::Absent; hw];
+        if hw > 0 {
+            sys::presence(self.arena.addr(), &mut present).map_err(|e| format!("pagemap: {e}"))?;
+        }
+        let mut staging = vec![sys::Presence::Absent; self.ring.slots() as usize];
+        sys::presence(self.ring.area().addr(), &mut staging)
+            .map_err(|e| format!("pagemap: {e}"))?;
+        for (i, &there) in present.iter().enumerate() {
+            let w = self.pt.load(i);
+            // The page table must agree with the hardware one: exactly the Mapped pages are
+            // there in the arena, in DRAM or swapped out by Linux (others live in staging,
+            // tier 1, or nowhere).
+            let is_present = there != sys::Presence::Absent;
+            if is_present != (w.state() == State::Mapped) {
+                return Err(format!(
+                    "page {i} is {:?} but {} in the arena",
+                    w.state(),
+                    if is_present { "present" } else { "missing" }
+                ));
+            }
+            match w.state() {
+                State::Mapped => mapped += 1,
+                State::Staged | State::Writing => {
+                    staged += 1;
+                    let s = self.pt.stage(i);
+                    if self.ring.entry(s as u64).load(Ordering::Acquire) != i as u32 + 1 {
+                        return Err(format!(
+                            "page {i} is staged at slot {s}, which does not name it"
+                        ));
+                    }
+                    if staging[s as usize] == sys::Presence::Absent {
+                        return Err(format!("page {i} is staged at slot {s}, which is empty"));
+                    }
+                }
+                State::Evicted if self.pt.slot(i).is_none() => {
+                    return Err(format!("page {i} is evicted without a tier slot"))
+                }
+                State::Busy => return Err(format!("page {i} is busy while the engine is idle")),
+                _ => {}
+            }
+        }
+        let dead = self.ring.dead();
+        let counted = self.ring.staged.load(Ordering::Acquire);
+        if counted != staged + dead {
+            return Err(format!(
+                "staged counter {counted} != staged {staged} + dead {dead}"
+            ));
+        }
+        let resident = self.quota.resident();
+        if resident != mapped + staged + dead {
+            return Err(format!(
+                "resident {resident} != mapped {mapped} + staged {staged} + dead {dead}"
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Resident set size of this process, from /proc/self/statm.
+pub fn process_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .map_or(0, |p| p * PAGE_SIZE as u64)
+}
+
+impl FaultHandler for Engine {
+    fn contains(&self, addr: usize) -> bool {
+        Engine::contains(self, addr)
+    }
+
+    fn handle_fault(&self, addr: usize) -> Fault {
+        Engine::handle_fault(self, addr)
+    }
+}

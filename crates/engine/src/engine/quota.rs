@@ -1,0 +1,143 @@
+//! The DRAM quota: how many pages hold DRAM, and the reservation every page takes before it
+//! is brought in. A faulting thread that finds the quota used up rings the evictor's
+//! [`Doorbell`] and waits for DRAM to be freed. Entry points: [`Quota::reserve`],
+//! [`Doorbell`].
+//!
+//! # Invariants
+//!
+//! - `resident` counts pages holding DRAM (mapped, staged, writing, dead ring entries, or in
+//!   flight); a thread reserves before it claims a page and gives back what it did not use.
+//! - A waiting thread never waits unboundedly: it re-checks every 10 ms, and the evictor lets
+//!   threads through above the quota (`overcommit`) when it cannot make room.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+
+use memtide_policy::Watermarks;
+
+use crate::stats::Counters;
+use crate::sys;
+
+/// Wakes the evictor early (when DRAM runs short) and lets it sleep otherwise.
+#[derive(Default)]
+pub(super) struct Doorbell {
+    rung: AtomicU32,
+    sleeping: AtomicBool,
+}
+
+impl Doorbell {
+    /// Wakes the evictor if it sleeps.
+    pub(super) fn ring(&self) {
+        if self.sleeping.load(Ordering::Acquire) {
+            self.ring_always();
+        }
+    }
+
+    /// Wakes the evictor whether or not it says it sleeps (for pause and resume).
+    pub(super) fn ring_always(&self) {
+        self.rung.fetch_add(1, Ordering::AcqRel);
+        sys::futex_wake(&self.rung);
+    }
+
+    /// What [`wait`](Self::wait) compares against: take it before checking for work.
+    pub(super) fn seen(&self) -> u32 {
+        self.rung.load(Ordering::Acquire)
+    }
+
+    /// Sleeps up to `timeout_ns` unless the bell rang since `seen`.
+    pub(super) fn wait(&self, seen: u32, timeout_ns: u64) {
+        sys::futex_wait(&self.rung, seen, timeout_ns);
+    }
+
+    pub(super) fn set_sleeping(&self, sleeping: bool) {
+        self.sleeping.store(sleeping, Ordering::Release);
+    }
+}
+
+pub(super) struct Quota {
+    pub(super) wm: Watermarks,
+    resident: AtomicU64,
+    /// Bumped and woken when the evictor frees DRAM.
+    freed: AtomicU32,
+    waiters: AtomicU32,
+    /// Set when eviction cannot make room (tier full or failing, nothing evictable): faulting
+    /// threads are then admitted above the quota instead of waiting.
+    overcommit: AtomicBool,
+    /// Set for good when the memory is no longer tiered (after a fork fallback).
+    unlimited: AtomicBool,
+}
+
+impl Quota {
+    pub(super) fn new(wm: Watermarks) -> Quota {
+        Quota {
+            wm,
+            resident: AtomicU64::new(0),
+            freed: AtomicU32::new(0),
+            waiters: AtomicU32::new(0),
+            overcommit: AtomicBool::new(false),
+            unlimited: AtomicBool::new(false),
+        }
+    }
+
+    /// Pages holding DRAM now.
+    pub(super) fn resident(&self) -> u64 {
+        self.resident.load(Ordering::Acquire)
+    }
+
+    /// Reserves DRAM for `n` pages, waiting for the evictor if the quota is used up.
+    pub(super) fn reserve(&self, n: u64, bell: &Doorbell, c: &Counters) {
+        let limit = self.wm.hard_limit();
+        loop {
+            let r = self.resident.fetch_add(n, Ordering::AcqRel) + n;
+            if self.wm.over_high(r) {
+                bell.ring();
+            }
+            if r <= limit
+                || self.overcommit.load(Ordering::Acquire)
+                || self.unlimited.load(Ordering::Relaxed)
+            {
+                Counters::peak(&c.peak_resident_pages, r);
+                if r > limit {
+                    Counters::add(&c.quota_overruns, n);
+                }
+                return;
+            }
+            self.resident.fetch_sub(n, Ordering::AcqRel);
+            let seen = self.freed.load(Ordering::Acquire);
+            Counters::bump(&c.quota_waits);
+            self.waiters.fetch_add(1, Ordering::AcqRel);
+            if self.resident.load(Ordering::Acquire) + n > limit
+                && !self.overcommit.load(Ordering::Acquire)
+            {
+                bell.ring();
+                sys::futex_wait(&self.freed, seen, 10_000_000);
+            }
+            self.waiters.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Gives back `n` pages of DRAM (reserved and not used, or released).
+    pub(super) fn unreserve(&self, n: u64) {
+        if n > 0 {
+            self.resident.fetch_sub(n, Ordering::AcqRel);
+        }
+    }
+
+    /// Lets threads waiting for DRAM look again.
+    pub(super) fn wake_waiters(&self) {
+        self.freed.fetch_add(1, Ordering::AcqRel);
+        if self.waiters.load(Ordering::Acquire) > 0 {
+            sys::futex_wake(&self.freed);
+        }
+    }
+
+    /// Admits threads above the quota (`true`) while eviction cannot make room, or stops
+    /// doing so.
+    pub(super) fn set_overcommit(&self, on: bool) {
+        self.overcommit.store(on, Ordering::Release);
+    }
+
+    /// No quota from now on (the memory is no longer tiered).
+    pub(super) fn lift(&self) {
+        self.unlimited.store(true, Ordering::Release);
+    }
+}

@@ -1,0 +1,451 @@
+//! The program's own memory calls on managed memory: allocation, `munmap` (release),
+//! `madvise(DONTNEED)` (discard), `mremap` (remap, moving pages' contents wherever they live),
+//! pins for system calls, and the fork fallback. Normal context, never the fault path. Entry
+//! points: [`Engine::alloc`], [`Engine::release`], [`Engine::discard`], [`Engine::remap`],
+//! [`Engine::pin`], [`Engine::detach_for_fork`].
+//!
+//! A call takes every page of its range out of wherever it is by claiming it (`Busy`), in
+//! address order, before it changes anything; faulting threads wait for it.
+
+use std::sync::atomic::Ordering;
+
+use memtide_policy::{Activeness, PAGE_SIZE};
+
+use super::fatal::fatal;
+use super::ring::RING_DEAD;
+use super::{Engine, MemError};
+use crate::pages::{State, NONE};
+use crate::stats::Counters;
+use crate::sys;
+
+impl Engine {
+    /// Allocates `len` bytes of managed memory aligned to `align` (a power of two, at least a
+    /// page), as for an anonymous `mmap`. The memory reads as zeros.
+    pub fn alloc(&self, len: usize, align: usize) -> Result<usize, MemError> {
+        self.alloc_kind(len, align, false)
+    }
+
+    /// Allocates a malloc-family block: like [`alloc`](Self::alloc), but remembered as such,
+    /// so that [`malloc_len`](Self::malloc_len) knows it. (Other allocators may place their
+    /// own blocks in managed mappings; those are not ours to free.)
+    pub fn alloc_malloc(&self, len: usize, align: usize) -> Result<usize, MemError> {
+        self.alloc_kind(len, align, true)
+    }
+
+    fn alloc_kind(&self, len: usize, align: usize, malloc: bool) -> Result<usize, MemError> {
+        if self.in_child() {
+            return Err(MemError::NoRoom);
+        }
+        let pages = len.div_ceil(PAGE_SIZE).max(1);
+        let align_pages = (align / PAGE_SIZE).max(1);
+        let start = {
+            let mut r = self.ranges.lock().unwrap_or_else(|e| e.into_inner());
+            let s = r.alloc(pages, align_pages).ok_or(MemError::NoRoom)?;
+            self.high_water.store(r.high_water(), Ordering::Release);
+            s
+        };
+        for i in start..start + pages {
+            self.pt.allocate(i);
+        }
+        self.pt.set_block(start, pages, malloc);
+        let m = self
+            .counters
+            .managed_pages
+            .fetch_add(pages as u64, Ordering::Relaxed)
+            + pages as u64;
+        Counters::peak(&self.counters.peak_managed_pages, m);
+        Ok(self.addr_of(start))
+    }
+
+    fn page_range(&self, addr: usize, len: usize) -> Result<(usize, usize), MemError> {
+        if !self.contains(addr) || !addr.is_multiple_of(PAGE_SIZE) {
+            return Err(MemError::NotManaged);
+        }
+        let first = self.page_of(addr);
+        let pages = len.div_ceil(PAGE_SIZE).min(self.pt.pages() - first);
+        Ok((first, pages))
+    }
+
+    /// Takes every page of `[first, first+pages)` out of wherever it is, leaving each `Busy`
+    /// and its DRAM and tier slot released, or `Free` pages untouched. Returns the pages it
+    /// claimed. `keep_slots` leaves tier slots attached (for moves).
+    fn take_pages(&self, first: usize, pages: usize, out: &mut Vec<(usize, State)>) {
+        for i in first..first + pages {
+            if let Some(old) = self.pt.claim_any(i) {
+                out.push((i, old.state()));
+            }
+        }
+    }
+
+    /// Drops the contents of pages claimed by [`take_pages`](Self::take_pages): zaps mapped
+    /// pages, frees tier slots, marks staged pages dead for the evictor.
+    fn drop_contents(&self, first: usize, pages: usize, taken: &[(usize, State)]) {
+        let mut mapped = 0u64;
+        {
+            let mut slots = self.slots();
+            for &(i, st) in taken {
+                match st {
+                    State::Mapped => mapped += 1,
+                    State::Staged => {
+                        // The staging slot keeps holding DRAM until the evictor's tail passes
+                        // it; it counts that page then.
+                        self.ring
+                            .entry(self.pt.stage(i) as u64)
+                            .store(RING_DEAD, Ordering::Release);
+                        self.pt.set_stage(i, NONE);
+                    }
+                    _ => {}
+                }
+                if let Some(s) = self.pt.slot(i) {
+                    slots.free(s);
+                    self.pt.set_slot(i, None);
+                }
+            }
+        }
+        if mapped > 0 || self.is_detached() {
+            // SAFETY: every mapped page in the range is ours (Busy) and the program asked
+            // for its contents to go; Free pages in the range are already empty.
+            unsafe {
+                let _ = sys::discard(self.addr_of(first), pages * PAGE_SIZE);
+            }
+            self.quota.unreserve(mapped);
+        }
+    }
+
+    /// `munmap` of managed memory: the range goes back to the arena.
+    pub fn release(&self, addr: usize, len: usize) -> Result<(), MemError> {
+        let (first, pages) = self.page_range(addr, len)?;
+        if self.in_child() {
+            return self.child_zap(first, pages);
+        }
+        let mask = sys::block_signals();
+        let mut taken = Vec::with_capacity(pages.min(1 << 16));
+        self.take_pages(first, pages, &mut taken);
+        self.drop_contents(first, pages, &taken);
+        for &(i, _) in &taken {
+            self.pt.set_block(i, 0, false);
+            self.pt.publish(i, State::Free, Some(Activeness(0)));
+        }
+        {
+            let mut r = self.ranges.lock().unwrap_or_else(|e| e.into_inner());
+            let mut run: Option<(usize, usize)> = None;
+            for &(i, _) in &taken {
+                run = match run {
+                    Some((s, n)) if s + n == i => Some((s, n + 1)),
+                    Some((s, n)) => {
+                        r.free(s, n);
+                        Some((i, 1))
+                    }
+                    None => Some((i, 1)),
+                };
+            }
+            if let Some((s, n)) = run {
+                r.free(s, n);
+            }
+        }
+        self.counters
+            .managed_pages
+            .fetch_sub(taken.len() as u64, Ordering::Relaxed);
+        sys::restore_signals(&mask);
+        Ok(())
+    }
+
+    /// `madvise(MADV_DONTNEED/MADV_FREE)` of managed memory: the range stays allocated and
+    /// reads as zeros.
+    pub fn discard(&self, addr: usize, len: usize) -> Result<(), MemError> {
+        let (first, pages) = self.page_range(addr, len)?;
+        if self.in_child() {
+            return self.child_zap(first, pages);
+        }
+        let mask = sys::block_signals();
+        let mut taken = Vec::with_capacity(pages.min(1 << 16));
+        self.take_pages(first, pages, &mut taken);
+        self.drop_contents(first, pages, &taken);
+        for &(i, _) in &taken {
+            self.pt.publish(i, State::Unpopulated, Some(Activeness(0)));
+        }
+        sys::restore_signals(&mask);
+        Ok(())
+    }
+
+    /// In a forked child: discards the range's contents and leaves the address space alone.
+    fn child_zap(&self, first: usize, pages: usize) -> Result<(), MemError> {
+        // SAFETY: the program released or discarded this range; in the child it is plain
+        // anonymous memory.
+        unsafe {
+            let _ = sys::discard(self.addr_of(first), pages * PAGE_SIZE);
+        }
+        Ok(())
+    }
+
+    /// Length in bytes of the malloc-family block that starts at `addr` (made by
+    /// [`alloc_malloc`](Self::alloc_malloc), maybe resized by [`remap`](Self::remap)), if one
+    /// does. Lock-free.
+    pub fn malloc_len(&self, addr: usize) -> Option<usize> {
+        if !self.contains(addr) || !addr.is_multiple_of(PAGE_SIZE) {
+            return None;
+        }
+        match self.pt.block(self.page_of(addr)) {
+            (n, true) if n > 0 => Some(n * PAGE_SIZE),
+            _ => None,
+        }
+    }
+
+    /// `mremap` of managed memory: shrinks in place, grows in place when the arena has room
+    /// after the range, or else (with `may_move`) moves every page's contents to a new range.
+    pub fn remap(
+        &self,
+        addr: usize,
+        old_len: usize,
+        new_len: usize,
+        may_move: bool,
+    ) -> Result<usize, MemError> {
+        let (first, old_pages) = self.page_range(addr, old_len)?;
+        let new_pages = new_len.div_ceil(PAGE_SIZE).max(1);
+        if (self.in_child() || self.is_detached()) && new_pages > old_pages {
+            // Plain memory now: the caller copies.
+            return Err(MemError::NoRoom);
+        }
+        if new_pages <= old_pages {
+            if new_pages < old_pages {
+                self.release(
+                    self.addr_of(first + new_pages),
+                    (old_pages - new_pages) * PAGE_SIZE,
+                )?;
+                if !self.in_child() {
+                    let malloc = self.pt.block(first).1;
+                    self.pt.set_block(first, new_pages, malloc);
+                }
+            }
+            return Ok(addr);
+        }
+        let grown_in_place = {
+            let mut r = self.ranges.lock().unwrap_or_else(|e| e.into_inner());
+            let ok = r.alloc_at(first + old_pages, new_pages - old_pages);
+            self.high_water.store(r.high_water(), Ordering::Release);
+            ok
+        };
+        if grown_in_place {
+            for i in first + old_pages..first + new_pages {
+                self.pt.allocate(i);
+            }
+            let malloc = self.pt.block(first).1;
+            self.pt.set_block(first, new_pages, malloc);
+            let m = self
+                .counters
+                .managed_pages
+                .fetch_add((new_pages - old_pages) as u64, Ordering::Relaxed);
+            Counters::peak(&self.counters.peak_managed_pages, m);
+            return Ok(addr);
+        }
+        if !may_move {
+            return Err(MemError::NoRoom);
+        }
+        let to = self.alloc_kind(new_len, PAGE_SIZE, self.pt.block(first).1)?;
+        self.move_contents(first, self.page_of(to), old_pages);
+        self.release(addr, old_pages * PAGE_SIZE)?;
+        Ok(to)
+    }
+
+    /// Moves the contents of `pages` pages from `from` to `to` (fresh, unpopulated pages),
+    /// whatever tier each page is in, leaving the source pages unpopulated.
+    fn move_contents(&self, from: usize, to: usize, pages: usize) {
+        let mask = sys::block_signals();
+        let mut taken = Vec::with_capacity(pages.min(1 << 16));
+        self.take_pages(from, pages, &mut taken);
+        for &(i, _) in &taken {
+            // The destination is a fresh allocation, but a page of it may already have been
+            // zero-filled (a program thread touching it through a stray pointer): take it
+            // whatever its state, and empty it, so that what lands there is the source page.
+            let j = to + (i - from);
+            if let Some(old) = self.pt.claim_any(j) {
+                if old.state() != State::Unpopulated {
+                    self.drop_contents(j, 1, &[(j, old.state())]);
+                }
+            }
+        }
+        // Mapped pages move in runs with UFFDIO_MOVE (no copy, no DRAM change).
+        let mut k = 0;
+        while k < taken.len() {
+            if taken[k].1 != State::Mapped {
+                k += 1;
+                continue;
+            }
+            let start = k;
+            while k < taken.len()
+                && taken[k].1 == State::Mapped
+                && taken[k].0 == taken[start].0 + (k - start)
+            {
+                k += 1;
+            }
+            let i = taken[start].0;
+            let n = k - start;
+            // SAFETY: source pages are ours (Busy) and mapped; destination pages are ours
+            // (Busy), fresh and missing. Both lie in the registered arena.
+            if let Err(e) = unsafe {
+                self.uffd.move_pages(
+                    self.addr_of(to + (i - from)),
+                    self.addr_of(i),
+                    n * PAGE_SIZE,
+                )
+            } {
+                // A page that cannot be moved (shared after fork) is copied instead.
+                let done = e.done / PAGE_SIZE;
+                for q in i + done..i + n {
+                    // SAFETY: the source page is mapped and ours; the destination is ours.
+                    if let Err(e2) = unsafe {
+                        self.uffd
+                            .copy(self.addr_of(to + (q - from)), self.addr_of(q), PAGE_SIZE)
+                    } {
+                        fatal("moving memory for mremap failed", &e2.error);
+                    }
+                    // SAFETY: the source page is ours; its contents now live at the destination.
+                    unsafe {
+                        let _ = sys::discard(self.addr_of(q), PAGE_SIZE);
+                    }
+                }
+            }
+        }
+        for &(i, st) in &taken {
+            let j = to + (i - from);
+            let h = self.pt.load(i).history();
+            if let Some(s) = self.pt.slot(i) {
+                self.pt.set_slot(j, Some(s));
+                self.pt.set_hash(j, self.pt.hash(i));
+                self.pt.set_slot(i, None);
+            }
+            if st == State::Staged {
+                // Order matters to the evictor reading the ring concurrently: the new page
+                // names its slot before the ring names the new page, and the old page forgets
+                // its slot only after that (see write_back).
+                let s = self.pt.stage(i);
+                self.pt.set_stage(j, s);
+                self.ring
+                    .entry(s as u64)
+                    .store(j as u32 + 1, Ordering::Release);
+                self.pt.set_stage(i, NONE);
+            }
+            self.pt.publish(j, st, Some(h));
+            self.pt.publish(i, State::Unpopulated, Some(Activeness(0)));
+        }
+        sys::restore_signals(&mask);
+    }
+
+    /// Brings every page of `[addr, addr+len)` into DRAM and pins it there until the guard is
+    /// dropped: for system calls that read or write managed memory from the kernel, where a
+    /// missing page would fail the call with EFAULT instead of faulting.
+    pub fn pin(&self, addr: usize, len: usize) -> Pinned<'_> {
+        let mut pinned = Pinned {
+            engine: self,
+            first: 0,
+            pages: 0,
+        };
+        if len == 0 || self.detached.load(Ordering::Relaxed) || self.in_child() {
+            return pinned;
+        }
+        let lo = addr.max(self.arena.addr());
+        let hi = (addr.saturating_add(len)).min(self.arena.addr() + self.arena.len());
+        if lo >= hi {
+            return pinned;
+        }
+        let first = self.page_of(lo);
+        let last = self.page_of(hi - 1);
+        pinned.first = first;
+        let mask = sys::block_signals();
+        for i in first..=last {
+            loop {
+                if self.pt.pin(i) {
+                    break;
+                }
+                let w = self.pt.load(i);
+                match w.state() {
+                    State::Free => {
+                        sys::restore_signals(&mask);
+                        return pinned;
+                    }
+                    State::Mapped => std::thread::yield_now(),
+                    _ => {
+                        self.handle_fault(self.addr_of(i));
+                    }
+                }
+            }
+            pinned.pages += 1;
+        }
+        sys::restore_signals(&mask);
+        pinned
+    }
+
+    /// Before `fork`: brings every page back into DRAM and stops tiering, so that the child
+    /// gets an ordinary copy-on-write copy of all memory. (Tiering in both processes after
+    /// fork needs userfaultfd's fork events and is not done yet.)
+    pub fn detach_for_fork(&self) {
+        if self.detached.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.quota.lift();
+        // Stop the evictor first: nothing may leave DRAM once we start bringing pages back.
+        self.pause_evictor();
+        let mask = sys::block_signals();
+        let hw = self.high_water.load(Ordering::Acquire);
+        for i in 0..hw {
+            while !matches!(
+                self.pt.load(i).state(),
+                State::Free | State::Mapped | State::Unpopulated
+            ) {
+                self.handle_fault(self.addr_of(i));
+            }
+        }
+        if let Err(e) = self.uffd.unregister(self.arena.addr(), self.arena.len()) {
+            fatal("unregistering the arena before fork failed", &e);
+        }
+        // Plain memory from now on: Linux manages it as any other.
+        let _ = sys::unlock(self.arena.addr(), self.arena.len());
+        self.warn("the program forked: its managed memory was brought back into DRAM and is no longer tiered (tiering across fork is not supported yet)".into());
+        sys::restore_signals(&mask);
+    }
+
+    /// Stops the evictor and waits until it is idle.
+    pub fn pause_evictor(&self) {
+        self.pause.store(true, Ordering::Release);
+        while !self.parked.load(Ordering::Acquire) {
+            self.bell.ring_always();
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+    }
+
+    /// Lets a paused evictor run again (not after a fork fallback).
+    pub fn resume_evictor(&self) {
+        if !self.is_detached() {
+            self.pause.store(false, Ordering::Release);
+            self.bell.ring_always();
+        }
+    }
+
+    pub fn is_detached(&self) -> bool {
+        self.detached.load(Ordering::Relaxed)
+    }
+
+    /// Whether this is a forked child of the process that started the engine. A child has no
+    /// evictor and no userfaultfd registration (the parent detached before the fork), and the
+    /// engine's locks may have been held by parent threads at the fork: in a child, managed
+    /// memory is plain memory and the engine touches no shared state.
+    pub fn in_child(&self) -> bool {
+        // SAFETY: getpid has no preconditions.
+        self.pid != unsafe { libc::getpid() } as u32
+    }
+}
+
+/// Guard returned by [`Engine::pin`].
+pub struct Pinned<'a> {
+    engine: &'a Engine,
+    first: usize,
+    pages: usize,
+}
+
+impl Drop for Pinned<'_> {
+    fn drop(&mut self) {
+        for i in self.first..self.first + self.pages {
+            self.engine.pt.unpin(i);
+        }
+    }
+}

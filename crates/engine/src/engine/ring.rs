@@ -1,0 +1,131 @@
+//! The staging ring: where inactive pages wait in DRAM, unmapped from the program, until the
+//! evictor writes them to tier 1 or a touch moves them back. A registered staging area of
+//! page-sized slots, and one entry per slot naming the page it holds. The evictor fills slots
+//! at the head and retires them at the tail, oldest first. Entry point: [`StagingRing`].
+//!
+//! # Invariants
+//!
+//! - Slots between tail and head are in use; an entry there is `page + 1` (a staged or
+//!   writing page whose stage is that slot), [`RING_DEAD`] (the program freed the page; the
+//!   slot still holds DRAM until the tail passes it) or [`RING_EMPTY`] (the page went back).
+//! - `staged` counts the pages in slots between tail and head: staged and writing pages plus
+//!   dead entries. Each of them holds DRAM.
+//! - Only the evictor moves head and tail.
+
+use std::io;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use memtide_policy::PAGE_SIZE;
+
+use crate::sys::{self, Mapping};
+
+/// An entry naming nothing.
+pub(super) const RING_EMPTY: u32 = 0;
+/// An entry whose page the program freed while it was staged.
+pub(super) const RING_DEAD: u32 = u32::MAX;
+
+pub(super) struct StagingRing {
+    /// The staging area: one page per slot, registered with userfaultfd like the arena (pages
+    /// move between the two with `UFFDIO_MOVE`).
+    area: Mapping,
+    /// One `AtomicU32` per slot.
+    entries: Mapping,
+    slots: u64,
+    head: AtomicU64,
+    tail: AtomicU64,
+    /// Pages holding DRAM in slots between tail and head.
+    pub(super) staged: AtomicU64,
+}
+
+impl StagingRing {
+    pub(super) fn new(slots: u64) -> io::Result<StagingRing> {
+        Ok(StagingRing {
+            area: Mapping::anon(slots as usize * PAGE_SIZE)?,
+            entries: Mapping::anon(slots as usize * 4)?,
+            slots,
+            head: AtomicU64::new(0),
+            tail: AtomicU64::new(0),
+            staged: AtomicU64::new(0),
+        })
+    }
+
+    /// The staging area's mapping (for registration, locking and page-table reads).
+    pub(super) fn area(&self) -> &Mapping {
+        &self.area
+    }
+
+    pub(super) fn slots(&self) -> u64 {
+        self.slots
+    }
+
+    /// The entry of ring position `pos` (positions count up forever; slots wrap).
+    pub(super) fn entry(&self, pos: u64) -> &AtomicU32 {
+        &self.entries.as_slice::<AtomicU32>()[(pos % self.slots) as usize]
+    }
+
+    /// Address of staging slot `s`.
+    pub(super) fn addr(&self, s: u32) -> usize {
+        self.area.addr() + s as usize * PAGE_SIZE
+    }
+
+    pub(super) fn head(&self) -> u64 {
+        self.head.load(Ordering::Acquire)
+    }
+
+    pub(super) fn tail(&self) -> u64 {
+        self.tail.load(Ordering::Acquire)
+    }
+
+    pub(super) fn set_head(&self, pos: u64) {
+        self.head.store(pos, Ordering::Release);
+    }
+
+    pub(super) fn set_tail(&self, pos: u64) {
+        self.tail.store(pos, Ordering::Release);
+    }
+
+    /// Free slots ahead of the head.
+    pub(super) fn room(&self) -> u64 {
+        self.slots - (self.head() - self.tail())
+    }
+
+    /// The slot whose entry names `page`, if any (for a fatal line: where its bytes might be).
+    pub(super) fn naming(&self, page: usize) -> Option<u64> {
+        (0..self.slots).find(|&s| self.entry(s).load(Ordering::Relaxed) == page as u32 + 1)
+    }
+
+    /// Dead entries between tail and head.
+    pub(super) fn dead(&self) -> u64 {
+        (self.tail()..self.head())
+            .filter(|&pos| self.entry(pos).load(Ordering::Acquire) == RING_DEAD)
+            .count() as u64
+    }
+
+    /// Zaps the staging slots of ring positions `[from, to)` and empties their entries.
+    pub(super) fn zap(&self, from: u64, to: u64) {
+        if from == to {
+            return;
+        }
+        for pos in from..to {
+            self.entry(pos).store(RING_EMPTY, Ordering::Release);
+        }
+        let a = from % self.slots;
+        let b = a + (to - from);
+        let zap = |s: u64, e: u64| {
+            // SAFETY: staging slots between the old and new tail hold nothing anyone needs:
+            // their pages are evicted, dead, or were moved out.
+            unsafe {
+                let _ = sys::discard(
+                    self.area.addr() + s as usize * PAGE_SIZE,
+                    (e - s) as usize * PAGE_SIZE,
+                );
+            }
+        };
+        if b <= self.slots {
+            zap(a, b);
+        } else {
+            zap(a, self.slots);
+            zap(0, b - self.slots);
+        }
+    }
+}
