@@ -4,6 +4,7 @@
 
 mod arena;
 mod engine;
+pub mod inject;
 mod pages;
 pub mod probe;
 pub mod signal;
@@ -13,7 +14,7 @@ pub mod sys;
 pub mod tier;
 pub mod uffd;
 
-pub use engine::{process_rss_bytes, Config, Engine, MemError, Pinned, StartError};
+pub use engine::{process_rss_bytes, Config, Engine, MemError, PageInfo, Pinned, StartError};
 pub use signal::Fault;
 pub use stats::Snapshot;
 pub use tier::TierOpenError;

@@ -41,6 +41,9 @@ pub enum State {
 
 const STATE_MASK: u32 = 0xF;
 const WAITERS: u32 = 1 << 4;
+/// The program gave the page a protection other than read-write (`mprotect`): its mapping
+/// lives in a VMA of its own, which `UFFDIO_MOVE` to and from staging refuses.
+const PROTECTED: u32 = 1 << 5;
 const PIN_SHIFT: u32 = 8;
 const PIN_ONE: u32 = 1 << PIN_SHIFT;
 const PIN_MASK: u32 = 0xFF << PIN_SHIFT;
@@ -68,6 +71,10 @@ impl Word {
             5 => State::Evicted,
             _ => State::Busy,
         }
+    }
+
+    pub fn protected(self) -> bool {
+        self.0 & PROTECTED != 0
     }
 
     pub fn pins(self) -> u32 {
@@ -254,6 +261,15 @@ impl PageTable {
         self.word(i)
             .compare_exchange(w.0, w.0 + PIN_ONE, Ordering::AcqRel, Ordering::Acquire)
             .is_ok()
+    }
+
+    /// Marks page `i` as protected by the program (or no longer), whatever its state.
+    pub fn set_protected(&self, i: usize, on: bool) {
+        if on {
+            self.word(i).fetch_or(PROTECTED, Ordering::AcqRel);
+        } else {
+            self.word(i).fetch_and(!PROTECTED, Ordering::AcqRel);
+        }
     }
 
     pub fn unpin(&self, i: usize) {

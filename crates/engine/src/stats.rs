@@ -118,6 +118,8 @@ pub struct Counters {
     pub tier_write_bytes: AtomicU64,
     pub tier_write_ops: AtomicU64,
     pub tier_errors: AtomicU64,
+    /// Tier reads whose pages did not match the checksum taken when they were written.
+    pub tier_read_mismatches: AtomicU64,
     /// Times a faulting thread waited for eviction to make room.
     pub quota_waits: AtomicU64,
     /// Pages admitted above the quota because eviction could not make room.
@@ -178,6 +180,8 @@ pub struct Snapshot {
     pub tier_write_bytes: u64,
     pub tier_write_ops: u64,
     pub tier_errors: u64,
+    #[serde(default)]
+    pub tier_read_mismatches: u64,
     pub tier_read_latency_p50_us: f64,
     pub tier_read_latency_p99_us: f64,
     pub fault_tier_latency_p50_us: f64,

@@ -3,7 +3,7 @@
 //! The engine runs inside programs whose `mmap`, `read`, `write` and `sigaction` may be
 //! interposed by memtide's own preload library, so it never calls those through libc: it issues
 //! the raw system calls here. Everything in this file is safe to call from a signal handler
-//! (no allocation, no locks). Entry points: [`Mapping`], [`presence`], [`futex_wait`], [`futex_wake`],
+//! (no allocation, no locks). Entry points: [`Mapping`], [`Pagemap`], [`futex_wait`], [`futex_wake`],
 //! [`now_ns`].
 
 use std::io;
@@ -332,49 +332,78 @@ pub enum Presence {
     Absent,
 }
 
-/// Fills `out` with the presence of the pages from `addr` on, one entry per page.
-pub fn presence(addr: usize, out: &mut [Presence]) -> io::Result<()> {
-    const PATH: &[u8] = b"/proc/self/pagemap\0";
-    // SAFETY: opening a file by a NUL-terminated path.
-    let fd = check(unsafe {
-        libc::syscall(
-            libc::SYS_openat,
-            libc::AT_FDCWD,
-            PATH.as_ptr(),
-            libc::O_RDONLY | libc::O_CLOEXEC,
-        )
-    })? as i32;
-    // Small enough for a signal handler's stack.
-    let mut buf = [0u64; 64];
-    let mut done = 0;
-    let res = loop {
-        if done == out.len() {
-            break Ok(());
-        }
-        let n = (out.len() - done).min(buf.len());
-        let off = ((addr / PAGE_SIZE + done) * 8) as i64;
-        // SAFETY: reading at most `buf`'s size into `buf`.
-        match check(unsafe { libc::syscall(libc::SYS_pread64, fd, buf.as_mut_ptr(), n * 8, off) }) {
-            Ok(b) if b >= 8 => {
-                for (k, &e) in buf[..b / 8].iter().enumerate() {
-                    // Bit 63: present; bit 62: swapped.
-                    out[done + k] = if e >> 63 & 1 == 1 {
-                        Presence::Present
-                    } else if e >> 62 & 1 == 1 {
-                        Presence::Swapped
-                    } else {
-                        Presence::Absent
-                    };
+/// This process's `/proc/self/pagemap`, kept open: the engine reads it after every failed
+/// move, from the fault path too, and must not need a free file descriptor at that moment.
+pub struct Pagemap {
+    fd: i32,
+}
+
+impl Pagemap {
+    pub fn open() -> io::Result<Pagemap> {
+        const PATH: &[u8] = b"/proc/self/pagemap\0";
+        // SAFETY: opening a file by a NUL-terminated path.
+        let fd = check(unsafe {
+            libc::syscall(
+                libc::SYS_openat,
+                libc::AT_FDCWD,
+                PATH.as_ptr(),
+                libc::O_RDONLY | libc::O_CLOEXEC,
+            )
+        })? as i32;
+        Ok(Pagemap { fd })
+    }
+
+    /// Fills `out` with the presence of the pages from `addr` on, one entry per page.
+    pub fn read(&self, addr: usize, out: &mut [Presence]) -> io::Result<()> {
+        // Small enough for a signal handler's stack.
+        let mut buf = [0u64; 64];
+        let mut done = 0;
+        while done < out.len() {
+            let n = (out.len() - done).min(buf.len());
+            let off = ((addr / PAGE_SIZE + done) * 8) as i64;
+            // SAFETY: reading at most `buf`'s size into `buf`.
+            let ret =
+                unsafe { libc::syscall(libc::SYS_pread64, self.fd, buf.as_mut_ptr(), n * 8, off) };
+            match check(ret) {
+                Ok(b) if b >= 8 => {
+                    for (k, &e) in buf[..b / 8].iter().enumerate() {
+                        // Bit 63: present; bit 62: swapped.
+                        out[done + k] = if e >> 63 & 1 == 1 {
+                            Presence::Present
+                        } else if e >> 62 & 1 == 1 {
+                            Presence::Swapped
+                        } else {
+                            Presence::Absent
+                        };
+                    }
+                    done += b / 8;
                 }
-                done += b / 8;
+                Ok(_) => return Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
             }
-            Ok(_) => break Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
-            Err(e) => break Err(e),
         }
-    };
-    // SAFETY: closing the descriptor opened above.
-    unsafe { libc::syscall(libc::SYS_close, fd) };
-    res
+        Ok(())
+    }
+
+    /// Presence of the one page at `addr`.
+    pub fn of(&self, addr: usize) -> io::Result<Presence> {
+        let mut one = [Presence::Absent];
+        self.read(addr, &mut one).map(|()| one[0])
+    }
+}
+
+impl Drop for Pagemap {
+    fn drop(&mut self) {
+        // SAFETY: closing the descriptor this value owns.
+        unsafe { libc::syscall(libc::SYS_close, self.fd) };
+    }
+}
+
+/// Fills `out` with the presence of the pages from `addr` on, one entry per page (opening
+/// pagemap for the call).
+pub fn presence(addr: usize, out: &mut [Presence]) -> io::Result<()> {
+    Pagemap::open()?.read(addr, out)
 }
 
 /// Presence of the one page at `addr`; `None` if pagemap cannot be read.

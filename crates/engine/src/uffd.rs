@@ -1,4 +1,6 @@
-//! Minimal userfaultfd bindings: open, API handshake, register, COPY, ZEROPAGE, MOVE.
+//! Minimal userfaultfd bindings: open, API handshake, register, COPY, MOVE, and the one move
+//! primitive the engine uses, [`Uffd::move_verified`], which says what moved as the page
+//! tables say it.
 //!
 //! Own bindings rather than the `userfaultfd` crate: that crate needs libclang at build time and
 //! has no `UFFDIO_MOVE`, which is the engine's atomic unmap-for-eviction primitive. Struct sizes
@@ -7,6 +9,9 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use crate::sys::{Pagemap, Presence};
 
 const UFFD_API: u64 = 0xAA;
 const UFFDIO: u64 = 0xAA;
@@ -16,6 +21,7 @@ pub const FEATURE_MOVE: u64 = 1 << 16;
 
 const REGISTER_MODE_MISSING: u64 = 1;
 const MOVE_MODE_DONTWAKE: u64 = 1;
+const PAGE: usize = 4096;
 
 #[repr(C)]
 #[derive(Default)]
@@ -100,6 +106,13 @@ pub enum OpenError {
 /// An open, initialized userfaultfd.
 pub struct Uffd {
     fd: OwnedFd,
+    /// Fault injection for tests: every Nth move that moved pages reports one page fewer and
+    /// fails with EEXIST, as 6.18's batched move can after an internal retry (0: off).
+    underreport_every: AtomicU32,
+    moves: AtomicU32,
+    /// Fault injection for tests: the next N copies fail with EEXIST without copying, as
+    /// the kernel does when a page-table level is missing.
+    copy_eexist: AtomicU32,
 }
 
 /// Outcome of a COPY or MOVE that may have done only part of the range.
@@ -108,6 +121,17 @@ pub struct Partial {
     /// Bytes done before the error.
     pub done: usize,
     pub error: io::Error,
+}
+
+/// What [`Uffd::move_verified`] found.
+#[derive(Debug)]
+pub struct MoveReport {
+    /// Pages that moved.
+    pub moved: usize,
+    /// Of those, pages the kernel did not report as moved.
+    pub underreported: usize,
+    /// The error that stopped the move, if it did not complete.
+    pub error: Option<io::Error>,
 }
 
 impl Uffd {
@@ -133,7 +157,25 @@ impl Uffd {
         if api.features & (FEATURE_SIGBUS | FEATURE_MOVE) != (FEATURE_SIGBUS | FEATURE_MOVE) {
             return Err(OpenError::MissingFeatures);
         }
-        Ok(Uffd { fd })
+        Ok(Uffd {
+            fd,
+            underreport_every: AtomicU32::new(0),
+            moves: AtomicU32::new(0),
+            copy_eexist: AtomicU32::new(0),
+        })
+    }
+
+    /// For tests: from now on every `every`th move that moves pages reports one page fewer
+    /// than it moved, with EEXIST (0: off).
+    #[doc(hidden)]
+    pub fn inject_underreport(&self, every: u32) {
+        self.underreport_every.store(every, Ordering::Relaxed);
+    }
+
+    /// For tests: the next `n` copies fail with EEXIST and copy nothing.
+    #[doc(hidden)]
+    pub fn inject_copy_eexist(&self, n: u32) {
+        self.copy_eexist.store(n, Ordering::Relaxed);
     }
 
     fn open_fd() -> Result<OwnedFd, OpenError> {
@@ -210,6 +252,17 @@ impl Uffd {
     /// `src..src+len` must be readable; `dst` must lie in a registered range whose pages the
     /// caller owns (no other thread fills them concurrently).
     pub unsafe fn copy(&self, dst: usize, src: usize, len: usize) -> Result<(), Partial> {
+        if self.copy_eexist.load(Ordering::Relaxed) > 0
+            && self
+                .copy_eexist
+                .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |n| n.checked_sub(1))
+                .is_ok()
+        {
+            return Err(Partial {
+                done: 0,
+                error: io::Error::from_raw_os_error(libc::EEXIST),
+            });
+        }
         let mut done = 0;
         while done < len {
             let mut c = UffdioCopy {
@@ -238,7 +291,8 @@ impl Uffd {
     /// Atomically moves the pages of `[src, src+len)` to `[dst, dst+len)`: the source becomes
     /// missing (the next access there faults) and the destination maps the same physical pages.
     /// This is the engine's unmap: no write to the source can be lost, because after the move
-    /// no thread can reach the old mapping.
+    /// no thread can reach the old mapping. The count in an error is the kernel's and is not
+    /// the truth on every kernel: use [`move_verified`](Self::move_verified) where it matters.
     ///
     /// # Safety
     ///
@@ -264,9 +318,93 @@ impl Uffd {
                 if error.raw_os_error() == Some(libc::EAGAIN) {
                     continue;
                 }
-                return Err(Partial { done, error });
+                return Err(self.maybe_underreport(Partial { done, error }));
             }
         }
-        Ok(())
+        match self.maybe_underreport(Partial {
+            done,
+            error: io::Error::from_raw_os_error(0),
+        }) {
+            p if p.done == len => Ok(()),
+            p => Err(p),
+        }
+    }
+
+    /// The injected under-report (see `underreport_every`).
+    fn maybe_underreport(&self, p: Partial) -> Partial {
+        let every = self.underreport_every.load(Ordering::Relaxed);
+        if every == 0
+            || p.done < PAGE
+            || !self
+                .moves
+                .fetch_add(1, Ordering::Relaxed)
+                .is_multiple_of(every)
+        {
+            return p;
+        }
+        Partial {
+            done: p.done - PAGE,
+            error: io::Error::from_raw_os_error(libc::EEXIST),
+        }
+    }
+
+    /// Moves the pages of `[src, src+PAGE*moved.len())` to `dst` as [`move_pages`] does and
+    /// says which moved: `moved[j]` for page `j`. When the kernel reports success every page
+    /// moved; after a failure, which pages moved is read from the page tables (a page moved
+    /// when its source is empty and its destination holds a page), because the kernel's count
+    /// is not the truth on 6.18 (after an internal retry it can move pages it does not report).
+    /// An error is returned only when the page tables cannot be read. Async-signal-safe.
+    ///
+    /// # Safety
+    ///
+    /// As [`move_pages`]; and no other thread maps or unmaps pages in either range meanwhile
+    /// (the caller owns them), so that what the page tables say is this move's doing.
+    ///
+    /// [`move_pages`]: Self::move_pages
+    pub unsafe fn move_verified(
+        &self,
+        pagemap: &Pagemap,
+        dst: usize,
+        src: usize,
+        moved: &mut [bool],
+    ) -> io::Result<MoveReport> {
+        let n = moved.len();
+        // SAFETY: forwarded contract.
+        let error = match unsafe { self.move_pages(dst, src, n * PAGE) } {
+            Ok(()) => {
+                moved.fill(true);
+                return Ok(MoveReport {
+                    moved: n,
+                    underreported: 0,
+                    error: None,
+                });
+            }
+            Err(e) => e,
+        };
+        let reported = error.done / PAGE;
+        let mut report = MoveReport {
+            moved: 0,
+            underreported: 0,
+            error: Some(error.error),
+        };
+        const CHUNK: usize = 64;
+        let mut from = [Presence::Absent; CHUNK];
+        let mut to = [Presence::Absent; CHUNK];
+        for first in (0..n).step_by(CHUNK) {
+            let k = CHUNK.min(n - first);
+            pagemap.read(src + first * PAGE, &mut from[..k])?;
+            pagemap.read(dst + first * PAGE, &mut to[..k])?;
+            for j in 0..k {
+                let m = from[j] == Presence::Absent && to[j] != Presence::Absent;
+                moved[first + j] = m;
+                if m {
+                    report.moved += 1;
+                    if first + j >= reported {
+                        report.underreported += 1;
+                    }
+                }
+            }
+        }
+        Ok(report)
     }
 }

@@ -440,11 +440,10 @@ pub unsafe extern "C" fn madvise(addr: *mut c_void, len: size_t, advice: c_int) 
 #[no_mangle]
 pub unsafe extern "C" fn mprotect(addr: *mut c_void, len: size_t, prot: c_int) -> c_int {
     if let Some(e) = managed(addr) {
-        if prot == libc::PROT_READ | libc::PROT_WRITE {
-            return 0;
-        }
-        // Memory the program protects must stay where it is: bring it in and pin it for good.
-        std::mem::forget(e.pin(addr as usize, len));
+        return match e.protect(addr as usize, len, prot) {
+            Ok(()) => 0,
+            Err(err) => fail(err.raw_os_error().unwrap_or(libc::EINVAL), -1),
+        };
     }
     // SAFETY: the program's own mprotect, passed through.
     match unsafe { memtide_engine::sys::mprotect(addr as usize, len, prot) } {

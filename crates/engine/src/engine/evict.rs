@@ -22,6 +22,7 @@ impl Engine {
         let mut hand = 0usize;
         let mut victims: Vec<usize> = Vec::with_capacity(Watermarks::MAX_BATCH as usize * 4);
         let mut writing: Vec<(usize, u32)> = Vec::with_capacity(Watermarks::MAX_BATCH as usize);
+        let mut warned_underreport = false;
         loop {
             if self.pause.load(Ordering::Acquire) {
                 self.parked.store(true, Ordering::Release);
@@ -32,22 +33,35 @@ impl Engine {
             self.parked.store(false, Ordering::Release);
             let cpu0 = sys::thread_cpu_ns();
             let now = sys::now_ns();
-            if clock.tick(now) {
+            let new_epoch = clock.tick(now);
+            if new_epoch {
                 self.age_all();
                 Counters::bump(&self.counters.epochs);
             }
             let ecpu0 = sys::thread_cpu_ns();
-            if !self.detached.load(Ordering::Acquire) && !self.tier_failed.load(Ordering::Acquire) {
+            if self.tier_full.load(Ordering::Acquire) && (new_epoch || self.tier_has_room()) {
+                // Try again: the program freed slots, or the filesystem may have room now.
+                self.tier_full.store(false, Ordering::Release);
+            }
+            if !self.detached.load(Ordering::Acquire) && self.tier_usable() {
                 self.relieve_pressure(&mut sweep, &mut hand, &mut victims, &mut writing);
             }
             let cpu1 = sys::thread_cpu_ns();
+            let underreported = self.counters.moves_underreported.load(Ordering::Relaxed);
+            if underreported > 0 && !warned_underreport {
+                warned_underreport = true;
+                self.warn(format!(
+                    "the kernel reported a page move as failed although {underreported} page(s) \
+                     moved; memtide follows the page tables (counted as moves_underreported)"
+                ));
+            }
             Counters::add(&self.counters.scan_cpu_ns, ecpu0 - cpu0);
             Counters::add(&self.counters.evict_cpu_ns, cpu1 - ecpu0);
 
             let k = self.bell.seen();
             self.bell.set_sleeping(true);
             if !self.quota.wm.over_high(self.quota.resident())
-                || self.tier_failed.load(Ordering::Acquire)
+                || !self.tier_usable()
                 || self.detached.load(Ordering::Acquire)
             {
                 let wait = clock
@@ -88,7 +102,7 @@ impl Engine {
                 progress += self.deactivate(wm.inactive_target - staged, sweep, hand, victims);
             }
             progress += self.write_back(wm.batch, writing);
-            if self.tier_failed.load(Ordering::Acquire) || self.pause.load(Ordering::Acquire) {
+            if !self.tier_usable() || self.pause.load(Ordering::Acquire) {
                 break;
             }
             if progress == 0 {
@@ -101,6 +115,17 @@ impl Engine {
             self.quota.set_overcommit(false);
             self.quota.wake_waiters();
         }
+    }
+
+    /// Whether eviction can write to tier 1 now.
+    fn tier_usable(&self) -> bool {
+        !self.tier_failed.load(Ordering::Acquire) && !self.tier_full.load(Ordering::Acquire)
+    }
+
+    /// Whether tier 1 has free slots (after it was found full).
+    fn tier_has_room(&self) -> bool {
+        let s = self.slots();
+        s.in_use() < s.len()
     }
 
     /// Ends an epoch: shifts every page's history and counts active memory.
@@ -148,6 +173,7 @@ impl Engine {
             let w = self.pt.load(i);
             if w.state() == State::Mapped
                 && w.pins() == 0
+                && !w.protected()
                 && sweep.take(w.history())
                 && self.pt.claim(i, State::Mapped, true).is_some()
             {
@@ -157,7 +183,7 @@ impl Engine {
         if !self.locked {
             // Unlocked memory may have been swapped out by Linux: only pages in DRAM move.
             victims.retain(|&p| {
-                let present = sys::presence_of(self.addr_of(p)) == Some(sys::Presence::Present);
+                let present = self.presence(self.addr_of(p)) == sys::Presence::Present;
                 if !present {
                     self.handle_unmovable(p);
                 }
@@ -166,6 +192,7 @@ impl Engine {
         }
         // Victims are in address order: move runs of neighbours in one call each.
         let mut moved_total = 0u64;
+        let mut moved = vec![false; victims.len()];
         let mut k = 0;
         while k < victims.len() {
             let head = self.ring.head();
@@ -179,22 +206,27 @@ impl Engine {
             }
             let n = k - start;
             let first = victims[start];
+            let moved = &mut moved[..n];
             // SAFETY: pages first..first+n are ours (Busy) and mapped; staging slots
             // s0..s0+n are free (between tail and head nothing else lives there) and missing.
-            let res = unsafe {
-                self.uffd
-                    .move_pages(self.ring.addr(s0), self.addr_of(first), n * PAGE_SIZE)
+            let report = unsafe {
+                self.uffd.move_verified(
+                    &self.pagemap,
+                    self.ring.addr(s0),
+                    self.addr_of(first),
+                    moved,
+                )
             };
-            // After a failure, which pages moved is read from the page tables: the count
-            // the kernel reports is not trusted with the program's data.
-            let moved = match res {
-                Ok(()) => None,
-                Err(e) => Some(self.which_moved(first, s0, n, e.done / PAGE_SIZE)),
-            };
-            for j in 0..n {
+            let report =
+                report.unwrap_or_else(|e| fatal("reading the page tables after a move failed", &e));
+            Counters::add(
+                &self.counters.moves_underreported,
+                report.underreported as u64,
+            );
+            for (j, &m) in moved.iter().enumerate() {
                 let p = first + j;
                 let s = s0 + j as u32;
-                if moved.as_ref().is_none_or(|m| m[j]) {
+                if m {
                     self.pt.set_stage(p, s);
                     self.ring
                         .entry(s as u64)
@@ -217,51 +249,11 @@ impl Engine {
         moved_total
     }
 
-    /// After a move of pages `first..first+n` to staging slots `s0..` failed with `done` pages
-    /// reported moved: which pages did move, read from the page tables (a page moved when its
-    /// arena address is empty and its staging slot holds a page). Pages the kernel reported
-    /// are taken as moved. If it moved more than it reported, the engine says so once: those
-    /// pages would otherwise be taken for mapped while their bytes sat in a staging slot about
-    /// to be discarded.
-    fn which_moved(&self, first: usize, s0: u32, n: usize, done: usize) -> Vec<bool> {
-        let mut moved = vec![false; n];
-        moved[..done.min(n)].fill(true);
-        if done >= n {
-            return moved;
-        }
-        let mut arena = vec![sys::Presence::Absent; n - done];
-        let mut staging = vec![sys::Presence::Absent; n - done];
-        let read = sys::presence(self.addr_of(first + done), &mut arena)
-            .and_then(|()| sys::presence(self.ring.addr(s0 + done as u32), &mut staging));
-        if read.is_err() {
-            return moved;
-        }
-        let mut extra = 0u64;
-        for j in done..n {
-            if arena[j - done] == sys::Presence::Absent
-                && staging[j - done] != sys::Presence::Absent
-            {
-                moved[j] = true;
-                extra += 1;
-            }
-        }
-        if extra > 0 {
-            Counters::add(&self.counters.moves_underreported, extra);
-            if self.counters.moves_underreported.load(Ordering::Relaxed) == extra {
-                self.warn(format!(
-                    "the kernel reported a page move as failed although {extra} page(s) moved; \
-                     memtide follows the page tables (counted as moves_underreported)"
-                ));
-            }
-        }
-        moved
-    }
-
     /// A mapped page that UFFDIO_MOVE refused. Nothing there: the program zapped it without
     /// telling us (it reads as zeros now); anything else (swapped out by Linux, shared after
-    /// fork, pinned by the kernel for I/O, or pagemap unreadable): it stays mapped.
+    /// fork, pinned by the kernel for I/O): it stays mapped.
     fn handle_unmovable(&self, p: usize) {
-        if sys::presence_of(self.addr_of(p)) == Some(sys::Presence::Absent) {
+        if self.presence(self.addr_of(p)) == sys::Presence::Absent {
             if let Some(s) = self.pt.slot(p) {
                 self.slots().free(s);
                 self.pt.set_slot(p, None);
@@ -284,7 +276,8 @@ impl Engine {
         }
         writing.clear();
         let mut dead = 0u64;
-        for pos in tail0..end {
+        let mut end = end;
+        'positions: for pos in tail0..end {
             let entry = self.ring.entry(pos);
             let s = (pos % self.ring.slots()) as u32;
             loop {
@@ -299,6 +292,11 @@ impl Engine {
                 let p = (e - 1) as usize;
                 let w = self.pt.load(p);
                 if w.state() == State::Staged && self.pt.stage(p) == s {
+                    if self.inject.writeback_wrap.armed() {
+                        if let Some(&(q, _)) = writing.last().filter(|&&(q, _)| q > p) {
+                            self.inject.writeback_wrap.pass([q as u64, p as u64]);
+                        }
+                    }
                     if self.pt.claim(p, State::Staged, false).is_some() {
                         // Claimed as Busy; mark Writing so faulting threads wait for us.
                         self.pt.publish(p, State::Writing, None);
@@ -308,10 +306,18 @@ impl Engine {
                     continue;
                 }
                 if w.state() == State::Busy && self.pt.stage(p) == s {
-                    // Someone is taking it out of this slot (a fault, a free, a move): wait
-                    // for them, then look again at what the slot holds.
-                    self.pt.wait(p, w);
-                    continue;
+                    // Someone is taking it out of this slot (a fault, a free, a move). While
+                    // we hold none of the batch, wait for them and look again. Holding some,
+                    // we must not wait: a free or mremap claims its range in address order
+                    // and may be waiting for a page we hold Writing (where the sweep wrapped,
+                    // ring order is the reverse of address order). The batch ends here; the
+                    // next one starts with this slot.
+                    if writing.is_empty() {
+                        self.pt.wait(p, w);
+                        continue;
+                    }
+                    end = pos;
+                    break 'positions;
                 }
                 if entry.load(Ordering::Acquire) != e {
                     // The slot changed hands (a move renamed its page) while we looked.
@@ -360,14 +366,12 @@ impl Engine {
         for &(p, s) in writing.iter() {
             if failed.iter().any(|&(q, _)| q == p) {
                 // Tier 1 would not take it: put it back where the program can reach it.
-                // SAFETY: the page is ours (Writing), its bytes at staging slot s, its arena
-                // address missing.
-                if let Err(e) = unsafe {
-                    self.uffd
-                        .move_pages(self.addr_of(p), self.ring.addr(s), PAGE_SIZE)
-                } {
-                    fatal("putting back a page tier 1 refused failed", &e.error);
-                }
+                self.unstage(
+                    p,
+                    s,
+                    self.pt.load(p),
+                    "putting back a page tier 1 refused failed",
+                );
                 self.pt.set_stage(p, NONE);
                 self.pt.publish(p, State::Mapped, None);
                 continue;
@@ -463,22 +467,25 @@ impl Engine {
                 self.warn(format!(
                     "writing to tier 1 failed ({e}); keeping further pages in DRAM"
                 ));
-                self.fail_tier(dirty, failed);
+                self.tier_failed.store(true, Ordering::Release);
+                self.keep_in_dram(dirty, failed);
                 return;
             }
         }
         drop(slots);
         if full {
             self.warn(format!(
-                "tier 1 is full or cannot grow ({}); keeping further pages in DRAM",
+                "tier 1 is full or cannot grow ({}); keeping further pages in DRAM until it has room",
                 self.tier.describe()
             ));
-            self.fail_tier(&dirty[written..], failed);
+            self.tier_full.store(true, Ordering::Release);
+            self.keep_in_dram(&dirty[written..], failed);
         }
     }
 
-    fn fail_tier(&self, rest: &[(usize, u32, u64)], failed: &mut Vec<(usize, u32)>) {
-        self.tier_failed.store(true, Ordering::Release);
+    /// Tier 1 cannot take `rest`: they go back to the program, and faulting threads are let
+    /// through above the quota instead of waiting for eviction.
+    fn keep_in_dram(&self, rest: &[(usize, u32, u64)], failed: &mut Vec<(usize, u32)>) {
         self.quota.set_overcommit(true);
         failed.extend(rest.iter().map(|&(p, s, _)| (p, s)));
         self.quota.wake_waiters();

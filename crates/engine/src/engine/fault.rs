@@ -25,6 +25,8 @@ pub(super) const READAHEAD: usize = 16;
 const MAPPED_MISSING_LIMIT: u32 = 1000;
 /// Bounce buffers for tier reads, each `READAHEAD` pages.
 const BOUNCE_BUFFERS: usize = 64;
+/// Reads of one run of tier slots before the engine gives up on it.
+const TIER_READ_TRIES: u32 = 5;
 
 /// Pages a tier read brings in on the `run`-th fault of a sequential run: 1, 1, 2, 4, 8,
 /// then `READAHEAD`.
@@ -67,6 +69,9 @@ impl BouncePool {
             }
         }
     }
+
+    /// A buffer a read may still land in is never handed out again (it stays taken).
+    fn retire(&self, _buf: usize) {}
 
     fn give(&self, buf: usize) {
         let i = (buf - self.mem.addr()) / (READAHEAD * PAGE_SIZE);
@@ -163,12 +168,12 @@ impl Engine {
         if n < MAPPED_MISSING_LIMIT {
             return;
         }
-        if sys::presence_of(addr) == Some(sys::Presence::Absent) && self.pt.load(p).0 == w.0 {
+        if self.pagemap.of(addr).ok() == Some(sys::Presence::Absent) && self.pt.load(p).0 == w.0 {
             // Where might its bytes be? A ring slot still naming the page, and whether that
             // staging slot holds a page.
             let named = self.ring.naming(p);
             let named_presence =
-                presence_code(named.and_then(|s| sys::presence_of(self.ring.addr(s as u32))));
+                presence_code(named.and_then(|s| self.pagemap.of(self.ring.addr(s as u32)).ok()));
             fatal_with(
                 "a page the engine had mapped is missing from the program's page tables",
                 &[
@@ -235,20 +240,8 @@ impl Engine {
         }
         let n = hi - lo;
         self.quota.unreserve((want - n) as u64);
-        // SAFETY: the zero buffer is readable; pages lo..hi are ours (Busy) and missing.
-        let res = unsafe {
-            self.uffd
-                .copy(self.addr_of(lo), self.zero.addr(), n * PAGE_SIZE)
-        };
-        if let Err(e) = res {
-            // EEXIST means a page is already mapped (the program discarded it behind our
-            // back and touched it again through a path we did not see); anything else is an
-            // engine bug. Either way the bytes there are what the program sees.
-            if e.error.raw_os_error() != Some(libc::EEXIST) {
-                fatal("UFFDIO_COPY of zeros failed", &e.error);
-            }
-            self.fill_zero_pagewise(lo + e.done / PAGE_SIZE, hi);
-        }
+        // SAFETY: the zero buffer is readable (ZERO_CHUNK pages); pages lo..hi are ours (Busy).
+        unsafe { self.fill(lo, self.zero.addr(), n, true, "UFFDIO_COPY of zeros failed") };
         for i in lo..hi {
             self.pt.publish(i, State::Mapped, Some(Activeness::TOUCHED));
         }
@@ -256,14 +249,55 @@ impl Engine {
         true
     }
 
-    fn fill_zero_pagewise(&self, from: usize, to: usize) {
-        for i in from..to {
-            // SAFETY: as in fill_zero, one page at a time.
-            if let Err(e) = unsafe { self.uffd.copy(self.addr_of(i), self.zero.addr(), PAGE_SIZE) }
-            {
+    /// Maps the `n` pages at `src` at pages `first..first+n` (ours, missing) with one
+    /// `UFFDIO_COPY`, or page by page where the range spans VMAs (the program protected part
+    /// of it: ENOENT). The kernel answers EEXIST when a page is already there, but also when a
+    /// page-table level is missing for a moment: so a page that is in fact missing is copied
+    /// again. A page the page tables do show is left as it is if
+    /// `keep_present` (zero-fill: the program zapped it behind our back and touched it again
+    /// through a path we did not see, so its bytes are the program's); otherwise nothing but
+    /// us can have put it there and the engine stops. Stops the program with `what` on any
+    /// other error.
+    ///
+    /// # Safety
+    ///
+    /// `src..src+n*PAGE_SIZE` must be readable; pages `first..first+n` must be ours.
+    unsafe fn fill(&self, first: usize, src: usize, n: usize, keep_present: bool, what: &str) {
+        // SAFETY: the caller's contract.
+        let Err(e) = (unsafe { self.uffd.copy(self.addr_of(first), src, n * PAGE_SIZE) }) else {
+            return;
+        };
+        let errno = e.error.raw_os_error();
+        if errno != Some(libc::EEXIST) && !(errno == Some(libc::ENOENT) && n > 1) {
+            fatal(what, &e.error);
+        }
+        for i in first + e.done / PAGE_SIZE..first + n {
+            let from = src + (i - first) * PAGE_SIZE;
+            let mut tries = 0u32;
+            // SAFETY: as above, one page at a time.
+            while let Err(e) = unsafe { self.uffd.copy(self.addr_of(i), from, PAGE_SIZE) } {
                 if e.error.raw_os_error() != Some(libc::EEXIST) {
-                    fatal("UFFDIO_COPY of zeros failed", &e.error);
+                    fatal(what, &e.error);
                 }
+                if self.presence(self.addr_of(i)) != sys::Presence::Absent {
+                    if keep_present {
+                        break;
+                    }
+                    fatal_with(
+                        "a page the engine was bringing in is already mapped",
+                        &[("page", i as u64)],
+                        &e.error,
+                    );
+                }
+                tries += 1;
+                if tries == 1000 {
+                    fatal_with(
+                        "mapping a page keeps failing with EEXIST although the page is missing",
+                        &[("page", i as u64)],
+                        &e.error,
+                    );
+                }
+                std::thread::yield_now();
             }
         }
     }
@@ -274,56 +308,7 @@ impl Engine {
             return false;
         };
         let s = self.pt.stage(p);
-        // SAFETY: page p is ours (Busy); its bytes are mapped at staging slot s and its arena
-        // address is missing. Both ranges are registered.
-        let res = unsafe {
-            self.uffd
-                .move_pages(self.addr_of(p), self.ring.addr(s), PAGE_SIZE)
-        };
-        if let Err(e) = res {
-            let presence = sys::presence_of(self.ring.addr(s));
-            let moved_anyway = presence == Some(sys::Presence::Absent)
-                && sys::presence_of(self.addr_of(p)).is_some_and(|a| a != sys::Presence::Absent);
-            if moved_anyway {
-                // The kernel reported a failure but moved the page (see `which_moved`).
-                Counters::bump(&self.counters.moves_underreported);
-            } else {
-                if presence == Some(sys::Presence::Swapped) {
-                    // Linux swapped the inactive page out (reclaim or DAMON, with swap on): a read
-                    // swaps it back in (the page table holds a swap entry: no missing-page fault).
-                    // SAFETY: the staging page is ours (p is Busy) and readable once swapped in.
-                    unsafe { std::ptr::read_volatile(self.ring.addr(s) as *const u8) };
-                }
-                // Fall back to a copy; the staging page stays until the evictor zaps its slot.
-                // SAFETY: the staging page is mapped and readable; the arena page is ours.
-                if let Err(e2) = unsafe {
-                    self.uffd
-                        .copy(self.addr_of(p), self.ring.addr(s), PAGE_SIZE)
-                } {
-                    fatal_with(
-                        "moving an inactive page back failed",
-                        &[
-                            ("move errno", e.error.raw_os_error().unwrap_or(0) as u64),
-                            ("page", p as u64),
-                            ("slot", s as u64),
-                            ("ring slots", self.ring.slots()),
-                            (
-                                "entry",
-                                self.ring.entry(s as u64).load(Ordering::Relaxed) as u64,
-                            ),
-                            ("tail", self.ring.tail()),
-                            ("head", self.ring.head()),
-                            ("word", old.0 as u64),
-                            (
-                                "staging page (0 present, 1 swapped, 2 absent, 3 unknown)",
-                                presence_code(presence),
-                            ),
-                        ],
-                        &e2.error,
-                    );
-                }
-            }
-        }
+        self.unstage(p, s, old, "moving an inactive page back failed");
         self.pt.set_stage(p, NONE);
         self.ring.staged.fetch_sub(1, Ordering::AcqRel);
         self.pt
@@ -331,6 +316,140 @@ impl Engine {
         Counters::bump(&self.counters.faults_inactive);
         Counters::bump(&self.counters.promotions);
         true
+    }
+
+    /// Brings the bytes of page `p` (ours: `Busy` or `Writing`, word `old` before we took it)
+    /// from staging slot `s` back to its arena address. Where the page does not move (Linux
+    /// swapped it out, or the kernel refused), it is copied, and the staging page stays until
+    /// the evictor zaps its slot. If neither works the program stops with `what`.
+    pub(super) fn unstage(&self, p: usize, s: u32, old: Word, what: &str) {
+        let mut moved = [false];
+        // SAFETY: page p is ours; its bytes are mapped at staging slot s and its arena address
+        // is missing. Both ranges are registered.
+        let report = unsafe {
+            self.uffd.move_verified(
+                &self.pagemap,
+                self.addr_of(p),
+                self.ring.addr(s),
+                &mut moved,
+            )
+        };
+        let report =
+            report.unwrap_or_else(|e| fatal("reading the page tables after a move failed", &e));
+        Counters::add(
+            &self.counters.moves_underreported,
+            report.underreported as u64,
+        );
+        if moved[0] {
+            return;
+        }
+        let presence = self.pagemap.of(self.ring.addr(s)).ok();
+        if presence == Some(sys::Presence::Swapped) {
+            // Linux swapped the inactive page out (reclaim or DAMON, with swap on): a read
+            // swaps it back in (the page table holds a swap entry: no missing-page fault).
+            // SAFETY: the staging page is ours (p is) and readable once swapped in.
+            unsafe { std::ptr::read_volatile(self.ring.addr(s) as *const u8) };
+        }
+        // SAFETY: the staging page is mapped and readable; the arena page is ours.
+        if let Err(e2) = unsafe {
+            self.uffd
+                .copy(self.addr_of(p), self.ring.addr(s), PAGE_SIZE)
+        } {
+            let move_errno = report
+                .error
+                .as_ref()
+                .and_then(|e| e.raw_os_error())
+                .unwrap_or(0);
+            fatal_with(
+                what,
+                &[
+                    ("move errno", move_errno as u64),
+                    ("page", p as u64),
+                    ("slot", s as u64),
+                    ("ring slots", self.ring.slots()),
+                    (
+                        "entry",
+                        self.ring.entry(s as u64).load(Ordering::Relaxed) as u64,
+                    ),
+                    ("tail", self.ring.tail()),
+                    ("head", self.ring.head()),
+                    ("word", old.0 as u64),
+                    (
+                        "staging page (0 present, 1 swapped, 2 absent, 3 unknown)",
+                        presence_code(presence),
+                    ),
+                ],
+                &e2.error,
+            );
+        }
+    }
+
+    /// Reads the `n` pages of pages `p..` from tier slots `slot..` into a bounce buffer and
+    /// checks each against the checksum taken when it was written. Returns the buffer and how
+    /// many pages from `p` on are right; pages after those are given back (`Evicted`, their
+    /// DRAM unreserved) for their own faults to read again. A failed read or a wrong first
+    /// page is read again; when that keeps failing the program stops, naming the page and
+    /// slot: the only copy of its data cannot be read back as it was written, and wrong bytes
+    /// are never served.
+    fn read_verified(&self, p: usize, slot: u64, n: usize) -> (usize, usize) {
+        let mut buf = self.bounce.take();
+        let mut tries = 0;
+        loop {
+            let r0 = sys::now_ns();
+            // SAFETY: `buf` is a bounce buffer of READAHEAD pages owned by this call.
+            let failure = match unsafe { self.tier.read(slot, n, buf as *mut u8) } {
+                Ok(()) => {
+                    self.counters.tier_read_latency.record(sys::now_ns() - r0);
+                    let good = (0..n)
+                        .take_while(|&i| self.matches_tier_copy(p + i, buf + i * PAGE_SIZE))
+                        .count();
+                    if good > 0 {
+                        if good < n {
+                            Counters::bump(&self.counters.tier_read_mismatches);
+                            for q in p + good..p + n {
+                                self.pt.publish(q, State::Evicted, None);
+                            }
+                            self.quota.unreserve((n - good) as u64);
+                        }
+                        return (buf, good);
+                    }
+                    Counters::bump(&self.counters.tier_read_mismatches);
+                    None
+                }
+                Err(e) => {
+                    Counters::bump(&self.counters.tier_errors);
+                    if e.buffer_lost {
+                        self.bounce.retire(buf);
+                        buf = self.bounce.take();
+                    }
+                    Some(e.error)
+                }
+            };
+            tries += 1;
+            if tries < TIER_READ_TRIES {
+                continue;
+            }
+            let facts = [
+                ("page", p as u64),
+                ("tier slot", slot),
+                ("tries", tries as u64),
+            ];
+            match failure {
+                Some(e) => fatal_with("reading an evicted page from tier 1 failed", &facts, &e),
+                None => fatal_with(
+                    "a page read back from tier 1 does not match the checksum taken when it was written",
+                    &facts,
+                    &io::Error::from_raw_os_error(libc::EIO),
+                ),
+            }
+        }
+    }
+
+    /// Whether the page read into `buf` for page `q` is the one written to its tier slot.
+    fn matches_tier_copy(&self, q: usize, buf: usize) -> bool {
+        // SAFETY: `buf` is a page of a bounce buffer this thread holds, just read into.
+        let bytes = unsafe { std::slice::from_raw_parts(buf as *const u8, PAGE_SIZE) };
+        xxhash_rust::xxh3::xxh3_64(bytes) == self.pt.hash(q)
     }
 
     /// A touch of an evicted page: read it (and, on a sequential run, its neighbours) from
@@ -346,50 +465,42 @@ impl Engine {
             self.quota.unreserve(1);
             return false;
         };
-        let slot = self.pt.slot(p).expect("an evicted page has a tier slot");
+        let Some(slot) = self.pt.slot(p) else {
+            fatal_with(
+                "an evicted page has no tier slot",
+                &[("page", p as u64), ("word", old.0 as u64)],
+                &io::Error::from_raw_os_error(libc::EFAULT),
+            );
+        };
         // Read-ahead: the following evicted pages whose slots follow on.
         let mut n = 1;
         if window > 1 {
             while n < window && p + n < self.pt.pages() {
                 let q = p + n;
-                if self.pt.slot(q) != Some(slot + n as u64)
-                    || self.pt.load(q).state() != State::Evicted
-                {
+                let seen = slot + n as u64;
+                if self.pt.slot(q) != Some(seen) || self.pt.load(q).state() != State::Evicted {
                     break;
                 }
+                self.inject.readahead.pass([q as u64, seen]);
                 self.reserve(1);
                 if self.pt.claim(q, State::Evicted, false).is_none() {
+                    self.quota.unreserve(1);
+                    break;
+                }
+                // Decide from the slot only now that the page is ours: before the claim (and
+                // the reservation, which can sleep) it may have been fetched, rewritten and
+                // evicted to another slot, and its old slot handed to another page.
+                if self.pt.slot(q) != Some(seen) {
+                    self.pt.publish(q, State::Evicted, None);
                     self.quota.unreserve(1);
                     break;
                 }
                 n += 1;
             }
         }
-        let buf = self.bounce.take();
-        let mut tries = 0;
-        loop {
-            let r0 = sys::now_ns();
-            // SAFETY: `buf` is a bounce buffer of READAHEAD pages owned by this call.
-            match unsafe { self.tier.read(slot, n, buf as *mut u8) } {
-                Ok(()) => {
-                    self.counters.tier_read_latency.record(sys::now_ns() - r0);
-                    break;
-                }
-                Err(e) => {
-                    Counters::bump(&self.counters.tier_errors);
-                    tries += 1;
-                    if tries >= 5 {
-                        // The only copy of the program's data is unreadable: stop loudly
-                        // rather than hand it wrong bytes.
-                        fatal("reading an evicted page from tier 1 failed", &e);
-                    }
-                }
-            }
-        }
+        let (buf, n) = self.read_verified(p, slot, n);
         // SAFETY: buf holds n pages just read; pages p..p+n are ours (Busy) and missing.
-        if let Err(e) = unsafe { self.uffd.copy(self.addr_of(p), buf, n * PAGE_SIZE) } {
-            fatal("mapping a fetched page failed", &e.error);
-        }
+        unsafe { self.fill(p, buf, n, false, "mapping a fetched page failed") };
         self.bounce.give(buf);
         for i in 0..n {
             let h = if i == 0 {

@@ -37,17 +37,18 @@ mod ring;
 use std::io;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use memtide_policy::{Watermarks, PAGE_SIZE};
 
 use crate::arena::RangeAlloc;
+use crate::inject::Inject;
 use crate::pages::{PageTable, State};
 pub use crate::signal::Fault;
 use crate::signal::FaultHandler;
 use crate::stats::{Counters, Snapshot};
 use crate::sys::{self, Mapping};
-use crate::tier::{self, Backend, FileTier, SlotMap, TierOpenError};
+use crate::tier::{self, Backend, Faulty, FileTier, SlotMap, TierFaults, TierOpenError};
 use crate::uffd::{OpenError, Uffd};
 
 use fault::{BouncePool, SequentialRun};
@@ -72,6 +73,9 @@ pub struct Config {
     pub arena_bytes: u64,
     /// Length of an activeness epoch.
     pub epoch_ms: u64,
+    /// For tests: device faults to inject in front of the tier file.
+    #[doc(hidden)]
+    pub tier_faults: Option<Arc<TierFaults>>,
 }
 
 impl Config {
@@ -83,6 +87,7 @@ impl Config {
             tier_bytes: None,
             arena_bytes: 1 << 40,
             epoch_ms: 200,
+            tier_faults: None,
         }
     }
 }
@@ -118,6 +123,18 @@ pub enum MemError {
     Unsupported,
 }
 
+/// What the engine's books say of one page (for tests).
+#[doc(hidden)]
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PageInfo {
+    /// `Free`, `Unpopulated`, `Mapped`, `Staged`, `Writing`, `Evicted` or `Busy`.
+    pub state: String,
+    pub tier_slot: Option<u64>,
+    pub pins: u32,
+    /// The program gave it a protection other than read-write.
+    pub protected: bool,
+}
+
 /// The engine for one process's managed memory.
 pub struct Engine {
     // Field order is drop order: the uffd goes after the mappings registered with it, which
@@ -132,12 +149,17 @@ pub struct Engine {
     ranges: Mutex<RangeAlloc>,
     high_water: AtomicUsize,
     zero: Mapping,
+    /// Where the page tables say pages are (read after every failed move).
+    pagemap: sys::Pagemap,
     bounce: BouncePool,
     quota: Quota,
     /// Wakes the evictor early.
     bell: Doorbell,
     epoch_ns: u64,
+    /// Set when writing to tier 1 failed: eviction stops for good, data stays in DRAM.
     tier_failed: AtomicBool,
+    /// Set when tier 1 is full: eviction pauses until slots are freed or an epoch passes.
+    tier_full: AtomicBool,
     /// Set after `fork` fallback: memory is all in DRAM and no longer registered.
     detached: AtomicBool,
     /// Whether the arena and staging area are locked in DRAM (see `start`).
@@ -149,6 +171,7 @@ pub struct Engine {
     /// Where tier reads ended, for read-ahead.
     sequential: SequentialRun,
     pub counters: Counters,
+    inject: Inject,
     warnings: Mutex<Vec<String>>,
     start_ns: u64,
     pid: u32,
@@ -162,7 +185,10 @@ impl Engine {
             return Err(StartError::QuotaTooSmall);
         }
         let uffd = Uffd::open()?;
-        let (tier, tier_note) = tier::best(FileTier::create(&cfg.tier_path)?);
+        let (mut tier, tier_note) = tier::best(FileTier::create(&cfg.tier_path)?);
+        if let Some(faults) = &cfg.tier_faults {
+            tier = Box::new(Faulty::new(tier, faults.clone()));
+        }
         let arena_pages = (cfg.arena_bytes as usize / PAGE_SIZE).max(ZERO_CHUNK);
         let arena = Mapping::anon(arena_pages * PAGE_SIZE).map_err(io_err("reserve the arena"))?;
         let wm = Watermarks::for_quota(cfg.dram_bytes / PAGE_SIZE as u64);
@@ -192,17 +218,20 @@ impl Engine {
             ranges: Mutex::new(RangeAlloc::new(arena_pages)),
             high_water: AtomicUsize::new(0),
             zero: Mapping::anon(ZERO_CHUNK * PAGE_SIZE).map_err(io_err("map zeros"))?,
+            pagemap: sys::Pagemap::open().map_err(io_err("open /proc/self/pagemap"))?,
             bounce: BouncePool::new().map_err(io_err("map bounce buffers"))?,
             quota: Quota::new(wm),
             bell: Doorbell::default(),
             epoch_ns: cfg.epoch_ms.max(1) * 1_000_000,
             tier_failed: AtomicBool::new(false),
+            tier_full: AtomicBool::new(false),
             detached: AtomicBool::new(false),
             locked,
             pause: AtomicBool::new(false),
             parked: AtomicBool::new(false),
             sequential: SequentialRun::new(),
             counters: Counters::default(),
+            inject: Inject::default(),
             warnings: Mutex::new(Vec::new()),
             start_ns: sys::now_ns(),
             pid: std::process::id(),
@@ -261,6 +290,18 @@ impl Engine {
         self.slots.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// For tests: the points where a thread can be held (see [`Inject`]).
+    #[doc(hidden)]
+    pub fn inject(&self) -> &Inject {
+        &self.inject
+    }
+
+    /// For tests: the userfaultfd, to inject kernel misreports.
+    #[doc(hidden)]
+    pub fn uffd(&self) -> &Uffd {
+        &self.uffd
+    }
+
     /// The DRAM quota in bytes.
     pub fn quota_bytes(&self) -> u64 {
         self.quota.wm.quota * PAGE_SIZE as u64
@@ -274,6 +315,14 @@ impl Engine {
     /// Pages currently holding DRAM.
     pub fn resident_pages(&self) -> u64 {
         self.quota.resident()
+    }
+
+    /// Where the page tables say the page at `addr` is. The engine cannot go on without
+    /// knowing (pagemap is kept open, so this does not fail in practice).
+    fn presence(&self, addr: usize) -> sys::Presence {
+        self.pagemap
+            .of(addr)
+            .unwrap_or_else(|e| fatal::fatal("reading the page tables failed", &e))
     }
 
     fn warn(&self, msg: String) {
@@ -324,6 +373,7 @@ impl Engine {
             tier_write_bytes: r(&c.tier_write_bytes),
             tier_write_ops: r(&c.tier_write_ops),
             tier_errors: r(&c.tier_errors),
+            tier_read_mismatches: r(&c.tier_read_mismatches),
             tier_read_latency_p50_us: c.tier_read_latency.quantile_us(0.5),
             tier_read_latency_p99_us: c.tier_read_latency.quantile_us(0.99),
             fault_tier_latency_p50_us: c.fault_tier_latency.quantile_us(0.5),
@@ -351,8 +401,24 @@ impl Engine {
             w.state(),
             self.pt.slot(p),
             self.pt.stage(p) as i64,
-            sys::presence_of(addr)
+            self.pagemap.of(addr).ok()
         )
+    }
+
+    /// For tests: what the engine's books say of the page at `addr`, if it is managed memory.
+    #[doc(hidden)]
+    pub fn page_info(&self, addr: usize) -> Option<PageInfo> {
+        if !self.contains(addr) {
+            return None;
+        }
+        let p = self.page_of(addr);
+        let w = self.pt.load(p);
+        Some(PageInfo {
+            state: format!("{:?}", w.state()),
+            tier_slot: self.pt.slot(p),
+            pins: w.pins(),
+            protected: w.protected(),
+        })
     }
 
     /// Checks the page table's books (for tests, with the program's threads quiet): resident
@@ -371,10 +437,13 @@ impl Engine {
         let mut staged = 0u64;
         let mut present = vec![sys::Presence::Absent; hw];
         if hw > 0 {
-            sys::presence(self.arena.addr(), &mut present).map_err(|e| format!("pagemap: {e}"))?;
+            self.pagemap
+                .read(self.arena.addr(), &mut present)
+                .map_err(|e| format!("pagemap: {e}"))?;
         }
         let mut staging = vec![sys::Presence::Absent; self.ring.slots() as usize];
-        sys::presence(self.ring.area().addr(), &mut staging)
+        self.pagemap
+            .read(self.ring.area().addr(), &mut staging)
             .map_err(|e| format!("pagemap: {e}"))?;
         for (i, &there) in present.iter().enumerate() {
             let w = self.pt.load(i);

@@ -79,7 +79,7 @@ impl Engine {
 
     /// Drops the contents of pages claimed by [`take_pages`](Self::take_pages): zaps mapped
     /// pages, frees tier slots, marks staged pages dead for the evictor.
-    fn drop_contents(&self, first: usize, pages: usize, taken: &[(usize, State)]) {
+    fn drop_contents(&self, taken: &[(usize, State)]) {
         let mut mapped = 0u64;
         {
             let mut slots = self.slots();
@@ -102,14 +102,30 @@ impl Engine {
                 }
             }
         }
-        if mapped > 0 || self.is_detached() {
-            // SAFETY: every mapped page in the range is ours (Busy) and the program asked
-            // for its contents to go; Free pages in the range are already empty.
-            unsafe {
-                let _ = sys::discard(self.addr_of(first), pages * PAGE_SIZE);
+        // Zap exactly the pages we claimed that hold memory in the arena, in runs: a Free
+        // page of the range is not ours, and another thread may be allocating and touching it
+        // right now. (After a fork fallback the arena is plain memory, where any claimed page
+        // may hold bytes the kernel mapped without asking us.)
+        let detached = self.is_detached();
+        let holds = |st: State| st == State::Mapped || detached;
+        let mut k = 0;
+        while k < taken.len() {
+            if !holds(taken[k].1) {
+                k += 1;
+                continue;
             }
-            self.quota.unreserve(mapped);
+            let start = k;
+            while k < taken.len() && holds(taken[k].1) && taken[k].0 == taken[start].0 + (k - start)
+            {
+                k += 1;
+            }
+            // SAFETY: these pages are ours (Busy) and the program asked for their contents to
+            // go.
+            unsafe {
+                let _ = sys::discard(self.addr_of(taken[start].0), (k - start) * PAGE_SIZE);
+            }
         }
+        self.quota.unreserve(mapped);
     }
 
     /// `munmap` of managed memory: the range goes back to the arena.
@@ -121,7 +137,9 @@ impl Engine {
         let mask = sys::block_signals();
         let mut taken = Vec::with_capacity(pages.min(1 << 16));
         self.take_pages(first, pages, &mut taken);
-        self.drop_contents(first, pages, &taken);
+        self.inject.taken.pass([first as u64, pages as u64]);
+        self.drop_contents(&taken);
+        self.unprotect(&taken);
         for &(i, _) in &taken {
             self.pt.set_block(i, 0, false);
             self.pt.publish(i, State::Free, Some(Activeness(0)));
@@ -150,6 +168,24 @@ impl Engine {
         Ok(())
     }
 
+    /// Gives pages the program had protected their read-write protection back before they
+    /// return to the arena (a later allocation there must be read-write).
+    fn unprotect(&self, taken: &[(usize, State)]) {
+        for &(i, _) in taken {
+            if self.pt.load(i).protected() {
+                // SAFETY: our own arena page, going back to the arena.
+                let _ = unsafe {
+                    sys::mprotect(
+                        self.addr_of(i),
+                        PAGE_SIZE,
+                        libc::PROT_READ | libc::PROT_WRITE,
+                    )
+                };
+                self.pt.set_protected(i, false);
+            }
+        }
+    }
+
     /// `madvise(MADV_DONTNEED/MADV_FREE)` of managed memory: the range stays allocated and
     /// reads as zeros.
     pub fn discard(&self, addr: usize, len: usize) -> Result<(), MemError> {
@@ -160,12 +196,45 @@ impl Engine {
         let mask = sys::block_signals();
         let mut taken = Vec::with_capacity(pages.min(1 << 16));
         self.take_pages(first, pages, &mut taken);
-        self.drop_contents(first, pages, &taken);
+        self.inject.taken.pass([first as u64, pages as u64]);
+        self.drop_contents(&taken);
         for &(i, _) in &taken {
             self.pt.publish(i, State::Unpopulated, Some(Activeness(0)));
         }
         sys::restore_signals(&mask);
         Ok(())
+    }
+
+    /// `mprotect` of managed memory: the protection applies as it would natively (the program
+    /// gets SIGSEGV where it would), on the pages the program has now and on those it brings
+    /// back in later. Pages with a protection other than read-write live in VMAs that
+    /// `UFFDIO_MOVE` to and from staging refuses, so the evictor leaves them in DRAM until the
+    /// program makes them read-write again; nothing else changes for them.
+    pub fn protect(&self, addr: usize, len: usize, prot: i32) -> std::io::Result<()> {
+        let Ok((first, pages)) = self.page_range(addr, len) else {
+            return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
+        };
+        let rw = prot == libc::PROT_READ | libc::PROT_WRITE;
+        if self.in_child() || self.is_detached() {
+            // SAFETY: the program's own mprotect, passed through.
+            return unsafe { sys::mprotect(addr, len, prot) };
+        }
+        // Marked before the protection changes, and unmarked after it is undone: the evictor
+        // never picks a page whose VMA is about to refuse its move (one it picked just before
+        // finds the move refused and keeps it mapped).
+        if !rw {
+            for i in first..first + pages {
+                self.pt.set_protected(i, true);
+            }
+        }
+        // SAFETY: the program's own mprotect, passed through.
+        let res = unsafe { sys::mprotect(addr, len, prot) };
+        if rw && res.is_ok() {
+            for i in first..first + pages {
+                self.pt.set_protected(i, false);
+            }
+        }
+        res
     }
 
     /// In a forked child: discards the range's contents and leaves the address space alone.
@@ -202,6 +271,10 @@ impl Engine {
     ) -> Result<usize, MemError> {
         let (first, old_pages) = self.page_range(addr, old_len)?;
         let new_pages = new_len.div_ceil(PAGE_SIZE).max(1);
+        if (first..first + old_pages).any(|i| self.pt.load(i).protected()) {
+            // Its pages would move into read-write memory: the caller copies instead.
+            return Err(MemError::Unsupported);
+        }
         if (self.in_child() || self.is_detached()) && new_pages > old_pages {
             // Plain memory now: the caller copies.
             return Err(MemError::NoRoom);
@@ -260,11 +333,12 @@ impl Engine {
             let j = to + (i - from);
             if let Some(old) = self.pt.claim_any(j) {
                 if old.state() != State::Unpopulated {
-                    self.drop_contents(j, 1, &[(j, old.state())]);
+                    self.drop_contents(&[(j, old.state())]);
                 }
             }
         }
         // Mapped pages move in runs with UFFDIO_MOVE (no copy, no DRAM change).
+        let mut moved = Vec::new();
         let mut k = 0;
         while k < taken.len() {
             if taken[k].1 != State::Mapped {
@@ -279,30 +353,51 @@ impl Engine {
                 k += 1;
             }
             let i = taken[start].0;
-            let n = k - start;
+            moved.clear();
+            moved.resize(k - start, false);
             // SAFETY: source pages are ours (Busy) and mapped; destination pages are ours
             // (Busy), fresh and missing. Both lie in the registered arena.
-            if let Err(e) = unsafe {
-                self.uffd.move_pages(
+            let report = unsafe {
+                self.uffd.move_verified(
+                    &self.pagemap,
                     self.addr_of(to + (i - from)),
                     self.addr_of(i),
-                    n * PAGE_SIZE,
+                    &mut moved,
                 )
-            } {
-                // A page that cannot be moved (shared after fork) is copied instead.
-                let done = e.done / PAGE_SIZE;
-                for q in i + done..i + n {
-                    // SAFETY: the source page is mapped and ours; the destination is ours.
-                    if let Err(e2) = unsafe {
-                        self.uffd
-                            .copy(self.addr_of(to + (q - from)), self.addr_of(q), PAGE_SIZE)
-                    } {
-                        fatal("moving memory for mremap failed", &e2.error);
+            };
+            let report =
+                report.unwrap_or_else(|e| fatal("reading the page tables after a move failed", &e));
+            Counters::add(
+                &self.counters.moves_underreported,
+                report.underreported as u64,
+            );
+            for (d, &m) in moved.iter().enumerate() {
+                let q = i + d;
+                if m {
+                    continue;
+                }
+                if self.presence(self.addr_of(q)) == sys::Presence::Absent {
+                    // Zapped behind our back: it reads as zeros, at its new address too.
+                    taken[start + d].1 = State::Unpopulated;
+                    if let Some(s) = self.pt.slot(q) {
+                        self.slots().free(s);
+                        self.pt.set_slot(q, None);
                     }
-                    // SAFETY: the source page is ours; its contents now live at the destination.
-                    unsafe {
-                        let _ = sys::discard(self.addr_of(q), PAGE_SIZE);
-                    }
+                    self.quota.unreserve(1);
+                    continue;
+                }
+                // A page that cannot be moved (shared after fork, swapped out by Linux) is
+                // copied instead.
+                // SAFETY: the source page is mapped and ours; the destination is ours.
+                if let Err(e2) = unsafe {
+                    self.uffd
+                        .copy(self.addr_of(to + (q - from)), self.addr_of(q), PAGE_SIZE)
+                } {
+                    fatal("moving memory for mremap failed", &e2.error);
+                }
+                // SAFETY: the source page is ours; its contents now live at the destination.
+                unsafe {
+                    let _ = sys::discard(self.addr_of(q), PAGE_SIZE);
                 }
             }
         }

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use memtide_policy::PAGE_SIZE;
 
-use super::Backend;
+use super::{Backend, ReadError};
 use crate::sys;
 
 /// Why the tier file could not be created; each says what to do.
@@ -108,7 +108,7 @@ impl FileTier {
 }
 
 impl Backend for FileTier {
-    unsafe fn read(&self, slot: u64, count: usize, buf: *mut u8) -> io::Result<()> {
+    unsafe fn read(&self, slot: u64, count: usize, buf: *mut u8) -> Result<(), ReadError> {
         // SAFETY: the caller provides a writable, aligned buffer of `count` pages.
         unsafe {
             sys::pread_full(
@@ -118,6 +118,7 @@ impl Backend for FileTier {
                 slot * PAGE_SIZE as u64,
             )
         }
+        .map_err(ReadError::from)
     }
 
     unsafe fn write(&self, slot: u64, pages: &[usize]) -> io::Result<()> {

@@ -2,15 +2,35 @@
 //! O_DIRECT through plain system calls, and the same file through io_uring). Slots are page-sized and numbered from 0; the engine's
 //! [`SlotMap`] decides which slots are free. Entry points: [`Backend`], [`FileTier`].
 
+mod faulty;
 mod file;
 mod slots;
 mod uring;
 
+pub use faulty::{Faulty, TierFaults};
 pub use file::{FileTier, TierOpenError};
 pub use slots::SlotMap;
 pub use uring::{best, UringTier};
 
 use std::io;
+
+/// Why a tier read failed.
+#[derive(Debug)]
+pub struct ReadError {
+    pub error: io::Error,
+    /// The read may still land in the buffer later (the backend lost track of a request it
+    /// had submitted): the buffer must never be used again.
+    pub buffer_lost: bool,
+}
+
+impl From<io::Error> for ReadError {
+    fn from(error: io::Error) -> ReadError {
+        ReadError {
+            error,
+            buffer_lost: false,
+        }
+    }
+}
 
 /// A tier-1 store of page-sized slots.
 ///
@@ -22,7 +42,7 @@ pub trait Backend: Send + Sync {
     /// # Safety
     ///
     /// `buf` must be a writable, page-aligned buffer of `count` pages.
-    unsafe fn read(&self, slot: u64, count: usize, buf: *mut u8) -> io::Result<()>;
+    unsafe fn read(&self, slot: u64, count: usize, buf: *mut u8) -> Result<(), ReadError>;
 
     /// Writes pages (each a page-aligned pointer) to consecutive slots starting at `slot`.
     ///

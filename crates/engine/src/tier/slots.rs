@@ -61,8 +61,14 @@ impl SlotMap {
 
     /// Allocates up to `want` consecutive slots and returns `(first, count)`. It prefers free
     /// slots the store already has; when none are left it extends the store, asking `grow` for
-    /// the new size first. `None` when the tier is full or cannot grow.
-    pub fn alloc_run(&mut self, want: u64, grow: impl FnOnce(u64) -> bool) -> Option<(u64, u64)> {
+    /// the new size first (a generous step, or, where the store cannot grow that much, just
+    /// what is asked for, so that a filesystem fills to its last page). `None` when the tier is
+    /// full or cannot grow.
+    pub fn alloc_run(
+        &mut self,
+        want: u64,
+        mut grow: impl FnMut(u64) -> bool,
+    ) -> Option<(u64, u64)> {
         if want == 0 {
             return None;
         }
@@ -101,9 +107,12 @@ impl SlotMap {
             return None;
         }
         let chunk = (self.len / 8).clamp(1024, 65536).max(n);
-        let new_len = (self.len + chunk).min(self.limit);
+        let mut new_len = (self.len + chunk).min(self.limit);
         if !grow(new_len) {
-            return None;
+            new_len = self.len + n;
+            if !grow(new_len) {
+                return None;
+            }
         }
         let first = self.len;
         self.len = new_len;

@@ -4,20 +4,28 @@
 //! ring busy reads with `pread` instead, so no fault ever waits for a ring). Where io_uring is
 //! unavailable (an old kernel, `kernel.io_uring_disabled`, a seccomp filter), the engine keeps
 //! the plain `pread`/`pwritev` backend and says so. Entry point: [`UringTier::new`].
+//!
+//! # Invariants
+//!
+//! - A ring is handed back only when none of its requests can still complete: a read ring
+//!   whose wait failed with a request outstanding is retired for good (it stays taken), and
+//!   its caller is told that the buffer may still be written ([`ReadError::buffer_lost`]).
+//! - Every read carries its own id, and a completion is taken only by the request it names.
 
 use std::io;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use io_uring::{opcode, types, IoUring};
 use memtide_policy::PAGE_SIZE;
 
-use super::{Backend, FileTier};
+use super::{Backend, FileTier, ReadError};
 
 /// Rings for reads from the fault path.
 const READ_RINGS: usize = 8;
 
 struct ReadRing {
+    /// Taken by the thread using the ring; never given back once the ring is retired.
     busy: AtomicBool,
     ring: std::cell::UnsafeCell<IoUring>,
 }
@@ -30,7 +38,15 @@ unsafe impl Sync for ReadRing {}
 pub struct UringTier {
     file: FileTier,
     write_ring: Mutex<IoUring>,
+    /// Set when the write ring failed with writes possibly in flight: later writes use
+    /// `pwritev`.
+    write_ring_broken: AtomicBool,
     read_rings: Vec<ReadRing>,
+    /// Ids for reads.
+    next_id: AtomicU64,
+    /// Fault injection for tests: the next N read waits fail after submitting, with the read
+    /// in flight (as a failing `io_uring_enter` leaves it).
+    lose_waits: AtomicU32,
 }
 
 impl UringTier {
@@ -53,8 +69,58 @@ impl UringTier {
         Ok(UringTier {
             file,
             write_ring: Mutex::new(write_ring),
+            write_ring_broken: AtomicBool::new(false),
             read_rings,
+            next_id: AtomicU64::new(1),
+            lose_waits: AtomicU32::new(0),
         })
+    }
+
+    /// For tests: the next `n` read waits fail with EIO after submitting their read.
+    #[doc(hidden)]
+    pub fn inject_lost_waits(&self, n: u32) {
+        self.lose_waits.store(n, Ordering::Relaxed);
+    }
+
+    /// Waits for the completion of read `id` (of `len` bytes) on `ring` and returns its
+    /// outcome; `Err` when the ring failed while the read may still be in flight.
+    fn wait_read(
+        &self,
+        ring: &mut IoUring,
+        id: u64,
+        len: usize,
+    ) -> Result<io::Result<()>, io::Error> {
+        loop {
+            if self.lose_waits.load(Ordering::Relaxed) > 0
+                && self
+                    .lose_waits
+                    .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |n| n.checked_sub(1))
+                    .is_ok()
+            {
+                ring.submit()?;
+                return Err(io::Error::from_raw_os_error(libc::EIO));
+            }
+            match ring.submit_and_wait(1) {
+                Ok(_) => {}
+                Err(e) if transient(&e) => continue,
+                Err(e) => return Err(e),
+            }
+            for cqe in ring.completion() {
+                if cqe.user_data() != id {
+                    // Not ours (there is never another read in flight on a ring that was
+                    // handed back, but a completion is only ever taken by its own request).
+                    continue;
+                }
+                let r = cqe.result();
+                return Ok(if r < 0 {
+                    Err(io::Error::from_raw_os_error(-r))
+                } else if r as usize != len {
+                    Err(io::Error::from(io::ErrorKind::UnexpectedEof))
+                } else {
+                    Ok(())
+                });
+            }
+        }
     }
 
     fn fd(&self) -> types::Fd {
@@ -62,16 +128,32 @@ impl UringTier {
     }
 }
 
+/// An `io_uring_enter` error after which waiting again is right.
+fn transient(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::EBUSY)
+    )
+}
+
+/// Why waiting for writes failed.
+enum Reap {
+    /// A write completed with an error.
+    Failed(io::Error),
+    /// The ring failed while writes may still be in flight.
+    Lost,
+}
+
 /// Waits for `n` completions on `ring`, returning the first error (a short transfer counts as
 /// one: O_DIRECT transfers of whole pages on a preallocated file are never short otherwise).
-fn reap(ring: &mut IoUring, n: usize, expect: &[(u64, usize)]) -> io::Result<()> {
+fn reap(ring: &mut IoUring, n: usize, expect: &[(u64, usize)]) -> Result<(), Reap> {
     let mut done = 0;
     let mut first_err = None;
     while done < n {
         match ring.submit_and_wait(n - done) {
             Ok(_) => {}
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
+            Err(e) if transient(&e) => continue,
+            Err(_) => return Err(Reap::Lost),
         }
         for cqe in ring.completion() {
             done += 1;
@@ -84,19 +166,16 @@ fn reap(ring: &mut IoUring, n: usize, expect: &[(u64, usize)]) -> io::Result<()>
                 if r < 0 {
                     first_err = Some(io::Error::from_raw_os_error(-r));
                 } else if r as usize != want {
-                    first_err = Some(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        "short tier-1 transfer",
-                    ));
+                    first_err = Some(io::Error::from(io::ErrorKind::UnexpectedEof));
                 }
             }
         }
     }
-    first_err.map_or(Ok(()), Err)
+    first_err.map_or(Ok(()), |e| Err(Reap::Failed(e)))
 }
 
 impl Backend for UringTier {
-    unsafe fn read(&self, slot: u64, count: usize, buf: *mut u8) -> io::Result<()> {
+    unsafe fn read(&self, slot: u64, count: usize, buf: *mut u8) -> Result<(), ReadError> {
         let len = count * PAGE_SIZE;
         for r in &self.read_rings {
             if r.busy
@@ -107,28 +186,38 @@ impl Backend for UringTier {
             }
             // SAFETY: we hold this ring's try-lock, so no other thread uses it.
             let ring = unsafe { &mut *r.ring.get() };
+            let id = self.next_id.fetch_add(1, Ordering::Relaxed);
             let sqe = opcode::Read::new(self.fd(), buf, len as u32)
                 .offset(slot * PAGE_SIZE as u64)
                 .build()
-                .user_data(1);
-            // SAFETY: the buffer outlives the operation: we wait for its completion below.
-            let pushed = unsafe { ring.submission().push(&sqe) }.is_ok();
-            let res = if pushed {
-                reap(ring, 1, &[(1, len)])
-            } else {
-                Err(io::Error::from(io::ErrorKind::WouldBlock))
-            };
-            r.busy.store(false, Ordering::Release);
-            return match res {
-                // A short read or a full queue: do it the plain way.
-                Err(e) if e.raw_os_error().is_none() => {
-                    // SAFETY: the caller's buffer contract.
-                    unsafe { self.file.read(slot, count, buf) }
+                .user_data(id);
+            // SAFETY: the buffer outlives the operation: we wait for its completion below,
+            // or tell the caller it is lost.
+            if unsafe { ring.submission().push(&sqe) }.is_err() {
+                r.busy.store(false, Ordering::Release);
+                break;
+            }
+            return match self.wait_read(ring, id, len) {
+                Ok(res) => {
+                    r.busy.store(false, Ordering::Release);
+                    match res {
+                        // A short read: do it the plain way.
+                        Err(e) if e.raw_os_error().is_none() => {
+                            // SAFETY: the caller's buffer contract.
+                            unsafe { self.file.read(slot, count, buf) }
+                        }
+                        other => other.map_err(ReadError::from),
+                    }
                 }
-                other => other,
+                // The read may still land: retire the ring (it stays taken), and the buffer.
+                Err(error) => Err(ReadError {
+                    error,
+                    buffer_lost: true,
+                }),
             };
         }
-        // Every ring is in use by other faulting threads: do not wait for one.
+        // Every ring is in use by other faulting threads (or its queue was full): do not wait
+        // for one.
         // SAFETY: the caller's buffer contract.
         unsafe { self.file.read(slot, count, buf) }
     }
@@ -139,7 +228,49 @@ impl Backend for UringTier {
     }
 
     unsafe fn write_runs(&self, runs: &[(u64, &[usize])]) -> io::Result<()> {
+        if self.write_ring_broken.load(Ordering::Acquire) {
+            // SAFETY: forwarded contract.
+            return unsafe { self.file.write_runs(runs) };
+        }
         let mut ring = self.write_ring.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: forwarded contract.
+        match unsafe { self.submit_writes(&mut ring, runs) } {
+            Ok(()) => Ok(()),
+            Err(Reap::Failed(e)) => Err(e),
+            Err(Reap::Lost) => {
+                // Writes may still be in flight: write the same bytes to the same slots the
+                // plain way (a late duplicate lands the same bytes), and keep to the plain way.
+                self.write_ring_broken.store(true, Ordering::Release);
+                // SAFETY: forwarded contract.
+                unsafe { self.file.write_runs(runs) }
+            }
+        }
+    }
+
+    fn grow(&self, slots: u64) -> io::Result<()> {
+        self.file.grow(slots)
+    }
+
+    fn direct(&self) -> bool {
+        self.file.direct()
+    }
+
+    fn describe(&self) -> String {
+        format!("{} via io_uring", self.file.describe())
+    }
+}
+
+impl UringTier {
+    /// Submits every run of a batch on the write ring and waits for all of them.
+    ///
+    /// # Safety
+    ///
+    /// As [`Backend::write`], for every page.
+    unsafe fn submit_writes(
+        &self,
+        ring: &mut IoUring,
+        runs: &[(u64, &[usize])],
+    ) -> Result<(), Reap> {
         let iovs: Vec<Vec<libc::iovec>> = runs
             .iter()
             .map(|(_, pages)| {
@@ -166,7 +297,7 @@ impl Backend for UringTier {
                 // for every completion before returning.
                 while unsafe { ring.submission().push(&sqe) }.is_err() {
                     // Queue full: drain what is in flight first.
-                    reap(&mut ring, queued, &expect)?;
+                    reap(ring, queued, &expect)?;
                     queued = 0;
                     expect.clear();
                 }
@@ -174,19 +305,7 @@ impl Backend for UringTier {
                 queued += 1;
             }
         }
-        reap(&mut ring, queued, &expect)
-    }
-
-    fn grow(&self, slots: u64) -> io::Result<()> {
-        self.file.grow(slots)
-    }
-
-    fn direct(&self) -> bool {
-        self.file.direct()
-    }
-
-    fn describe(&self) -> String {
-        format!("{} via io_uring", self.file.describe())
+        reap(ring, queued, &expect)
     }
 }
 

@@ -1,0 +1,78 @@
+//! Shared by the engine's tests: an engine over a scratch tier directory, and running one test
+//! in a child process (for scenarios that end the process when they fail: a fatal stop, a
+//! deadlock).
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use memtide_engine::{Config, Engine};
+
+pub const PAGE: usize = 4096;
+
+/// A tier directory removed when the test ends.
+pub struct Scratch(pub PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A scratch directory for tier files, named after the test.
+pub fn scratch(name: &str) -> Scratch {
+    let dir = std::env::temp_dir().join(format!("memtide-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    Scratch(dir)
+}
+
+/// The configuration the tests use: `quota` bytes of DRAM, a 1 GiB arena, 50 ms epochs.
+pub fn config(dir: &Scratch, quota: u64) -> Config {
+    let mut cfg = Config::new(quota, &dir.0);
+    cfg.arena_bytes = 1 << 30;
+    cfg.epoch_ms = 50;
+    cfg
+}
+
+/// An engine with `quota` bytes of DRAM (see [`config`]).
+pub fn engine(name: &str, quota: u64) -> (&'static Engine, Scratch) {
+    let dir = scratch(name);
+    let e = start(&config(&dir, quota));
+    (e, dir)
+}
+
+pub fn start(cfg: &Config) -> &'static Engine {
+    Engine::start(cfg).expect("engine starts (needs userfaultfd: run as root)")
+}
+
+/// Whether this process is the child [`in_child`] started.
+pub fn is_child(marker: &str) -> bool {
+    std::env::var_os(marker).is_some()
+}
+
+/// Runs the test `test` of this binary alone in a child process with `marker` set in its
+/// environment, and returns what it printed. A child still running after `timeout` is killed
+/// (its output then ends with a line saying so).
+pub fn in_child(test: &str, marker: &str, timeout: Duration) -> Output {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", test, "--nocapture", "--test-threads=1"])
+        .env(marker, "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t0.elapsed() > timeout {
+            let _ = child.kill();
+            let mut out = child.wait_with_output().unwrap();
+            out.stderr
+                .extend_from_slice(format!("\n(killed after {timeout:?})\n").as_bytes());
+            return out;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
