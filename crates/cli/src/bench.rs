@@ -6,17 +6,18 @@
 //! it changes is put back when it ends, however it ends. Entry point: [`bench`].
 
 use std::ffi::CString;
+use std::io::{BufRead, Write};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode};
+use std::process::{Child, ChildStdin, Command, ExitCode, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use memtide_engine::probe::{Pattern, ProbeFile};
 use memtide_engine::size::format as bytes;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::demo::{run_workload, Outcome, Placement};
 use crate::report::{median, step_label};
@@ -137,32 +138,152 @@ extern "C" fn on_interrupt(_: i32) {
     INTERRUPTED.store(true, Ordering::Relaxed);
 }
 
-/// A setting the bench changed, restored on drop.
+/// A setting the bench changed.
+#[derive(Serialize, Deserialize, Debug)]
 enum Restore {
+    /// A swap file it switched on: off and removed.
     Swapfile(PathBuf),
+    /// A cgroup it created: its processes killed, then removed.
     Cgroup(PathBuf),
+    /// A file it wrote: the old value written back.
     Write(PathBuf, String),
 }
 
-struct Guard(Vec<Restore>);
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        for r in self.0.drain(..).rev() {
-            match r {
-                Restore::Swapfile(p) => {
-                    let _ = Command::new("swapoff").arg(&p).status();
-                    let _ = std::fs::remove_file(&p);
+impl Restore {
+    fn undo(&self) {
+        match self {
+            Restore::Swapfile(p) => {
+                if p.exists() {
+                    for _ in 0..10 {
+                        let off = Command::new("swapoff").arg(p).output();
+                        if off.is_ok_and(|o| o.status.success())
+                            || !std::fs::read_to_string("/proc/swaps")
+                                .is_ok_and(|s| s.contains(&*p.to_string_lossy()))
+                        {
+                            break;
+                        }
+                        std::thread::sleep(Duration::from_millis(200));
+                    }
+                    let _ = std::fs::remove_file(p);
                 }
-                Restore::Cgroup(p) => {
-                    let _ = std::fs::remove_dir(&p);
+            }
+            Restore::Cgroup(p) => {
+                // Normally empty by now; after a killed bench, its runs may still be inside.
+                let t0 = Instant::now();
+                while p.exists() && std::fs::remove_dir(p).is_err() {
+                    if t0.elapsed() > Duration::from_secs(10) {
+                        break;
+                    }
+                    for pid in std::fs::read_to_string(p.join("cgroup.procs"))
+                        .unwrap_or_default()
+                        .lines()
+                    {
+                        if let Ok(pid) = pid.trim().parse::<i32>() {
+                            // SAFETY: kill has no memory-safety preconditions.
+                            unsafe { libc::kill(pid, libc::SIGKILL) };
+                        }
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
                 }
-                Restore::Write(p, v) => {
-                    let _ = std::fs::write(&p, v);
-                }
+            }
+            Restore::Write(p, v) => {
+                let _ = std::fs::write(p, v);
             }
         }
     }
+}
+
+/// The settings the bench changed, put back when it ends; and, while it runs, a janitor: a
+/// process of its own that puts them back if the bench dies without doing so (killed with
+/// SIGKILL, or a crash). The bench tells the janitor of each setting before changing it, over
+/// a pipe; when the pipe closes without the bench's "done", the janitor restores them.
+struct Guard {
+    changed: Vec<Restore>,
+    janitor: Option<(Child, ChildStdin)>,
+}
+
+impl Guard {
+    /// A guard, with a janitor when `janitor` (settings of the whole system will change).
+    fn new(janitor: bool) -> Result<Guard> {
+        let janitor = if janitor {
+            let exe = std::env::current_exe().context("cannot locate the memtide binary")?;
+            let mut child = Command::new(exe)
+                .arg("bench-janitor")
+                .stdin(Stdio::piped())
+                .spawn()
+                .context("cannot start the bench's janitor")?;
+            let stdin = child.stdin.take().expect("piped stdin");
+            Some((child, stdin))
+        } else {
+            None
+        };
+        Ok(Guard {
+            changed: Vec::new(),
+            janitor,
+        })
+    }
+
+    /// Records a setting about to change (before changing it: a change half made is undone
+    /// too).
+    fn push(&mut self, r: Restore) -> Result<()> {
+        if let Some((_, pipe)) = &mut self.janitor {
+            let line = serde_json::to_string(&r)?;
+            writeln!(pipe, "{line}").context("cannot reach the bench's janitor")?;
+        }
+        self.changed.push(r);
+        Ok(())
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        for r in self.changed.drain(..).rev() {
+            r.undo();
+        }
+        if let Some((mut child, mut pipe)) = self.janitor.take() {
+            let _ = writeln!(pipe, "done");
+            drop(pipe);
+            let _ = child.wait();
+        }
+    }
+}
+
+/// The janitor's side (`memtide bench-janitor`, started by the bench): reads the settings the
+/// bench changes from stdin and, if stdin closes without "done", puts them back.
+pub fn janitor() -> Result<ExitCode> {
+    // A session of its own, deaf to the terminal: Ctrl-C and hang-ups go to the bench, which
+    // restores everything itself and says so.
+    // SAFETY: setsid and signal dispositions, before any threads exist.
+    unsafe {
+        libc::setsid();
+        for sig in [
+            libc::SIGINT,
+            libc::SIGHUP,
+            libc::SIGTERM,
+            libc::SIGQUIT,
+            libc::SIGPIPE,
+        ] {
+            libc::signal(sig, libc::SIG_IGN);
+        }
+    }
+    let mut pending = Vec::new();
+    for line in std::io::stdin().lock().lines() {
+        let Ok(line) = line else { break };
+        if line == "done" {
+            return Ok(ExitCode::SUCCESS);
+        }
+        if let Ok(r) = serde_json::from_str::<Restore>(&line) {
+            pending.push(r);
+        }
+    }
+    let _ = writeln!(
+        std::io::stderr(),
+        "memtide: the bench stopped without putting back what it changed; restoring it"
+    );
+    for r in pending.iter().rev() {
+        r.undo();
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Memory cgroups for tenants run side by side (Linux swap's placement); each run sets the
@@ -226,15 +347,13 @@ fn setup_swap(a: &BenchArgs, swap_bytes: u64, guard: &mut Guard) -> Result<MemCg
     let cg = find_memory_cgroup()?;
     // zswap is switched per run (off for Linux swap, on for zswap) and put back afterwards.
     if let Ok(v) = std::fs::read_to_string(ZSWAP) {
+        guard.push(Restore::Write(PathBuf::from(ZSWAP), v.trim().to_string()))?;
         std::fs::write(ZSWAP, "N").context("cannot turn zswap off")?;
-        guard
-            .0
-            .push(Restore::Write(PathBuf::from(ZSWAP), v.trim().to_string()));
     }
     let swap = a
         .tier
         .join(format!("memtide-bench-{}.swap", std::process::id()));
-    guard.0.push(Restore::Swapfile(swap.clone()));
+    guard.push(Restore::Swapfile(swap.clone()))?;
     let size = swap_bytes + (256 << 20);
     let f = std::fs::File::create(&swap)
         .with_context(|| format!("cannot create {}", swap.display()))?;
@@ -398,7 +517,7 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
         }
         libc::signal(libc::SIGPIPE, libc::SIG_IGN);
     }
-    let mut guard = Guard(Vec::new());
+    let mut guard = Guard::new(!a.no_swap)?;
     let cg = if a.no_swap {
         None
     } else {
@@ -411,9 +530,9 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
             let dir = cg
                 .dir
                 .join(format!("memtide-bench-{}-{}", std::process::id(), b >> 20));
+            guard.push(Restore::Cgroup(dir.clone()))?;
             std::fs::create_dir(&dir)
                 .with_context(|| format!("cannot create cgroup {}", dir.display()))?;
-            guard.0.push(Restore::Cgroup(dir.clone()));
             std::fs::write(dir.join(cg.limit_file), b.to_string())
                 .with_context(|| format!("cannot set the memory limit of {}", dir.display()))?;
             cgroups.push(dir.join("cgroup.procs"));
@@ -427,9 +546,9 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
                 let dir = cg
                     .dir
                     .join(format!("memtide-bench-{}-tenant{i}", std::process::id()));
+                guard.push(Restore::Cgroup(dir.clone()))?;
                 std::fs::create_dir(&dir)
                     .with_context(|| format!("cannot create cgroup {}", dir.display()))?;
-                guard.0.push(Restore::Cgroup(dir.clone()));
                 dirs.push(dir);
             }
             Some(TenantCgroups {

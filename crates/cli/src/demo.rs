@@ -11,9 +11,9 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use memtide_engine::launch::{die_with_parent, StatsDir, TierEnv};
 use memtide_engine::{size::format as bytes, Snapshot};
 
-use crate::run::{StatsDir, TierEnv};
 use crate::workload::{Line, WorkloadArgs, WorkloadResult};
 use crate::{opts, preflight, summary};
 
@@ -118,8 +118,10 @@ pub fn run_workload_showing(
     cmd.args(w.to_args())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
-    let stats_dir = StatsDir::new()?;
+    let stats_dir = StatsDir::new().context("cannot create a directory for the statistics")?;
     place.apply(&mut cmd, &stats_dir.0);
+    // A workload never outlives the demo or bench that started it, however that ends.
+    die_with_parent(&mut cmd, libc::SIGKILL);
     let start = Instant::now();
     let mut child = cmd.spawn().context("cannot start the workload")?;
     let out = child.stdout.take().expect("piped stdout");

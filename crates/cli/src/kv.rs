@@ -12,13 +12,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use memtide_engine::launch::{die_with_parent, StatsDir};
 use memtide_sim::workload::{scatter_stride, Rng, Zipf};
 use serde::Serialize;
 
 use crate::bench::BenchArgs;
 use crate::demo::Placement;
 use crate::report::median;
-use crate::run::StatsDir;
 use crate::summary;
 
 /// Which server.
@@ -334,9 +334,11 @@ fn one_run(
 ) -> Result<RunRecord> {
     let keys = (a.footprint / a.value_bytes as u64).max(1);
     let port = free_port()?;
-    let stats = StatsDir::new()?;
+    let stats = StatsDir::new().context("cannot create a directory for the statistics")?;
     let mut cmd = server.command(port, a.footprint, keys);
     place.apply(&mut cmd, &stats.0);
+    // The server never outlives the bench, however that ends.
+    die_with_parent(&mut cmd, libc::SIGKILL);
     let mut child = Running(
         cmd.spawn()
             .with_context(|| format!("cannot start {}", server.program()))?,

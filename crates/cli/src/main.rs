@@ -64,6 +64,9 @@ enum Cmd {
     /// The built-in workload (used by demo and bench).
     #[command(hide = true)]
     Workload(workload::WorkloadArgs),
+    /// Puts back what a bench changed if the bench dies without doing so (started by bench).
+    #[command(hide = true)]
+    BenchJanitor,
 }
 
 fn main() -> ExitCode {
@@ -78,6 +81,7 @@ fn main() -> ExitCode {
         Cmd::Sim(a) => sim::sim(a),
         Cmd::Plan(a) => plan::plan(a),
         Cmd::Probe(a) => probe::probe(a),
+        Cmd::BenchJanitor => bench::janitor(),
         Cmd::Workload(a) => workload::main(a),
     };
     match result {

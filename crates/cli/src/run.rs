@@ -11,6 +11,8 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::Args;
 
+use memtide_engine::launch::{die_with_parent, StatsDir, TierEnv};
+
 use crate::{opts, preflight, summary};
 
 #[derive(Args, Debug)]
@@ -55,61 +57,6 @@ extern "C" fn forward(sig: i32) {
     if pid > 0 {
         // SAFETY: kill is async-signal-safe.
         unsafe { libc::kill(pid, sig) };
-    }
-}
-
-/// The settings the preload library reads, as environment variables.
-pub struct TierEnv<'a> {
-    pub preload: &'a Path,
-    pub dram: u64,
-    pub tier: &'a Path,
-    pub tier_size: Option<u64>,
-    pub min_bytes: u64,
-    pub stats_dir: &'a Path,
-    pub stats_interval_ms: u64,
-}
-
-impl TierEnv<'_> {
-    pub fn apply(&self, cmd: &mut Command) {
-        let mut preload = self.preload.as_os_str().to_owned();
-        if let Some(old) = std::env::var_os("LD_PRELOAD").filter(|v| !v.is_empty()) {
-            preload.push(" ");
-            preload.push(old);
-        }
-        cmd.env("LD_PRELOAD", preload)
-            .env("MEMTIDE_DRAM", self.dram.to_string())
-            .env("MEMTIDE_TIER", self.tier)
-            .env("MEMTIDE_MIN_BYTES", self.min_bytes.to_string())
-            .env("MEMTIDE_STATS_DIR", self.stats_dir)
-            .env(
-                "MEMTIDE_STATS_INTERVAL_MS",
-                self.stats_interval_ms.to_string(),
-            );
-        if let Some(t) = self.tier_size {
-            cmd.env("MEMTIDE_TIER_SIZE", t.to_string());
-        }
-    }
-}
-
-/// A private directory for the stats files of one run, removed on drop.
-pub struct StatsDir(pub PathBuf);
-
-impl StatsDir {
-    pub fn new() -> Result<StatsDir> {
-        let base = std::env::temp_dir();
-        for n in 0..1000 {
-            let p = base.join(format!("memtide-stats-{}-{n}", std::process::id()));
-            if std::fs::create_dir(&p).is_ok() {
-                return Ok(StatsDir(p));
-            }
-        }
-        anyhow::bail!("cannot create a stats directory in {}", base.display())
-    }
-}
-
-impl Drop for StatsDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 
@@ -165,7 +112,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         std::fs::write(p, b"{}\n")
             .with_context(|| format!("cannot write --stats file {}", p.display()))?;
     }
-    let stats_dir = StatsDir::new()?;
+    let stats_dir = StatsDir::new().context("cannot create a directory for the statistics")?;
     let interval_ms = (a.stats_interval * 1000.0).max(50.0) as u64;
     let mut cmd = Command::new(program);
     cmd.args(&a.command[1..]);
@@ -179,6 +126,9 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         stats_interval_ms: interval_ms,
     }
     .apply(&mut cmd);
+    // If memtide itself is killed, the program is told to stop (as by a hang-up) rather than
+    // run on unwatched.
+    die_with_parent(&mut cmd, libc::SIGTERM);
     let mut child = cmd
         .spawn()
         .with_context(|| format!("cannot start {program}"))?;

@@ -5,6 +5,7 @@
 mod arena;
 mod engine;
 pub mod inject;
+pub mod launch;
 mod pages;
 pub mod probe;
 pub mod signal;

@@ -1,0 +1,119 @@
+//! Starting a program under memtide: the environment the preload library reads (its half of
+//! the contract is in the preload crate's `settings`), a private directory the program's
+//! statistics are written to, and a parent-death signal, so that a program whose launcher is
+//! killed does not run on unwatched. Entry points: [`TierEnv::apply`], [`StatsDir::new`],
+//! [`die_with_parent`].
+
+use std::io;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The settings the preload library reads, as environment variables.
+pub struct TierEnv<'a> {
+    pub preload: &'a Path,
+    pub dram: u64,
+    pub tier: &'a Path,
+    pub tier_size: Option<u64>,
+    pub min_bytes: u64,
+    pub stats_dir: &'a Path,
+    pub stats_interval_ms: u64,
+}
+
+impl TierEnv<'_> {
+    pub fn apply(&self, cmd: &mut Command) {
+        let mut preload = self.preload.as_os_str().to_owned();
+        if let Some(old) = std::env::var_os("LD_PRELOAD").filter(|v| !v.is_empty()) {
+            preload.push(" ");
+            preload.push(old);
+        }
+        cmd.env("LD_PRELOAD", preload)
+            .env("MEMTIDE_DRAM", self.dram.to_string())
+            .env("MEMTIDE_TIER", self.tier)
+            .env("MEMTIDE_MIN_BYTES", self.min_bytes.to_string())
+            .env("MEMTIDE_STATS_DIR", self.stats_dir)
+            .env(
+                "MEMTIDE_STATS_INTERVAL_MS",
+                self.stats_interval_ms.to_string(),
+            );
+        if let Some(t) = self.tier_size {
+            cmd.env("MEMTIDE_TIER_SIZE", t.to_string());
+        }
+    }
+}
+
+/// A private directory for the statistics files of one launch, removed on drop. A launcher
+/// killed with SIGKILL cannot remove its own: the next launch removes directories whose
+/// launcher is gone.
+pub struct StatsDir(pub PathBuf);
+
+const STATS_PREFIX: &str = "memtide-stats-";
+
+impl StatsDir {
+    pub fn new() -> io::Result<StatsDir> {
+        let base = std::env::temp_dir();
+        remove_orphans(&base);
+        for n in 0..1000 {
+            let p = base.join(format!("{STATS_PREFIX}{}-{n}", std::process::id()));
+            match std::fs::create_dir(&p) {
+                Ok(()) => return Ok(StatsDir(p)),
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            format!("no free stats directory name in {}", base.display()),
+        ))
+    }
+}
+
+impl Drop for StatsDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Removes stats directories in `base` whose launcher no longer runs.
+fn remove_orphans(base: &Path) {
+    let Ok(rd) = std::fs::read_dir(base) else {
+        return;
+    };
+    for ent in rd.flatten() {
+        let name = ent.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(STATS_PREFIX))
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|pid| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(ent.path());
+        }
+    }
+}
+
+/// Makes the program `cmd` starts receive `signal` when the process that starts it dies
+/// (`PR_SET_PDEATHSIG`), however it dies: a launcher killed with SIGKILL leaves no program
+/// running unwatched. The signal follows the starting *thread*: start the program from a
+/// thread that lives as long as it does.
+pub fn die_with_parent(cmd: &mut Command, signal: i32) {
+    // SAFETY: getpid has no preconditions.
+    let parent = unsafe { libc::getpid() };
+    // SAFETY: the closure runs between fork and exec and calls only async-signal-safe
+    // functions (prctl, getppid, raise).
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, signal as libc::c_ulong) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // The parent may have died before the signal was armed.
+            if libc::getppid() != parent {
+                libc::raise(signal);
+            }
+            Ok(())
+        });
+    }
+}
