@@ -3,8 +3,11 @@
 //! This crate is pure: no system calls, no clock reads, no allocation on the hot paths. Time is
 //! passed in as nanoseconds by the caller, so the engine and the simulator drive the same code
 //! and tests drive it deterministically. Entry points: [`Activeness`] (per-page history),
-//! [`Sweep`] (which resident pages to deactivate), [`Watermarks`] (how far below the quota the
-//! engine keeps DRAM), [`EpochClock`] and [`health`].
+//! [`Clock`] (which resident pages to deactivate, through [`SweepPages`]), [`Watermarks`] (how
+//! far below the quota DRAM is kept, and [`Watermarks::relieve`], the pressure-relief loop,
+//! through [`Relieve`]), [`ahead`] (how much a fault brings in), [`EpochClock`] and
+//! [`health`]. The engine and the simulator each implement the two traits over their own
+//! page state, so both run exactly this code.
 //!
 //! # The model
 //!
@@ -16,8 +19,11 @@
 //! shows them idle for the longest; eviction writes the oldest inactive pages first.
 #![forbid(unsafe_code)]
 
+pub mod ahead;
+pub mod clock;
 pub mod health;
 
+pub use clock::{Clock, Relief, Relieve, Sweep, SweepPages};
 pub use health::{Health, HealthThresholds};
 
 /// Size of a page, the unit of placement.
@@ -71,70 +77,6 @@ impl Activeness {
     /// "active memory" that memtide reports.
     pub fn is_active(self) -> bool {
         self.0 & 0xC0 != 0
-    }
-}
-
-/// The CLOCK-style deactivation sweep: decides, page by page, whether a resident active page
-/// should be unmapped into the inactive list.
-///
-/// The sweep demands a minimum number of idle epochs. When a full pass over resident memory
-/// finds too few such pages, the demand drops by one epoch (pressure wins over history); when a
-/// pass finds plenty, it rises again, up to [`Sweep::MAX_IDLE`]. A page that was touched in the
-/// current epoch is never taken while any other page qualifies.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Sweep {
-    required_idle: u32,
-    found_this_pass: u64,
-    wanted_this_pass: u64,
-}
-
-impl Default for Sweep {
-    fn default() -> Self {
-        Sweep {
-            required_idle: Self::MAX_IDLE,
-            found_this_pass: 0,
-            wanted_this_pass: 0,
-        }
-    }
-}
-
-impl Sweep {
-    /// The demand a sweep starts with and never exceeds: two idle epochs.
-    pub const MAX_IDLE: u32 = 2;
-
-    /// Current demand in idle epochs.
-    pub fn required_idle(&self) -> u32 {
-        self.required_idle
-    }
-
-    /// The engine is about to look for `pages` pages to deactivate. The demand of a whole pass
-    /// (all such calls until [`end_pass`](Self::end_pass)) is what the pass's findings are
-    /// judged against; judging them against one call's demand would tighten the bar after
-    /// every small call and make the next call scan everything again.
-    pub fn want(&mut self, pages: u64) {
-        self.wanted_this_pass = self.wanted_this_pass.saturating_add(pages);
-    }
-
-    /// Whether a page with this history should be deactivated now.
-    pub fn take(&mut self, history: Activeness) -> bool {
-        let take = history.idle_epochs() >= self.required_idle;
-        if take {
-            self.found_this_pass += 1;
-        }
-        take
-    }
-
-    /// Called when the hand has passed over all resident memory once. `still_wanted` is what
-    /// the search under way has yet to find: it is demand on the next pass.
-    pub fn end_pass(&mut self, still_wanted: u64) {
-        let wanted = self.wanted_this_pass;
-        if self.found_this_pass < wanted {
-            self.required_idle = self.required_idle.saturating_sub(1);
-        } else if wanted > 0 && self.found_this_pass >= wanted.saturating_mul(2) {
-            self.required_idle = (self.required_idle + 1).min(Self::MAX_IDLE);
-        }
-        self.found_this_pass = 0;
-        self.wanted_this_pass = still_wanted;
     }
 }
 
@@ -251,43 +193,6 @@ mod tests {
         assert!(h.age().is_active());
         assert!(!h.age().age().is_active());
         assert_eq!(h.age().age().idle_epochs(), 2);
-    }
-
-    #[test]
-    fn sweep_relaxes_when_starved_and_tightens_when_rich() {
-        let mut s = Sweep::default();
-        assert_eq!(s.required_idle(), 2);
-        s.want(10);
-        assert!(!s.take(Activeness(0x40)));
-        // The search still needs its 10 pages on the next pass.
-        s.end_pass(10);
-        assert_eq!(s.required_idle(), 1);
-        s.end_pass(10);
-        assert_eq!(s.required_idle(), 0);
-        assert!(s.take(Activeness::TOUCHED));
-        for _ in 0..20 {
-            s.take(Activeness(0));
-        }
-        s.end_pass(0);
-        assert_eq!(s.required_idle(), 1);
-        // A pass nobody wanted anything from changes nothing.
-        s.end_pass(0);
-        assert_eq!(s.required_idle(), 1);
-    }
-
-    #[test]
-    fn sweep_judges_a_pass_by_the_demand_of_the_whole_pass() {
-        // Many small calls in one pass: 30 found for 40 wanted is short, whatever each call
-        // asked for.
-        let mut s = Sweep::default();
-        for _ in 0..40 {
-            s.want(1);
-        }
-        for _ in 0..30 {
-            assert!(s.take(Activeness(0)));
-        }
-        s.end_pass(0);
-        assert_eq!(s.required_idle(), 1);
     }
 
     #[test]

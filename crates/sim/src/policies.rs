@@ -9,7 +9,7 @@
 
 use std::collections::BinaryHeap;
 
-use memtide_policy::{Activeness, EpochClock, Sweep, Watermarks};
+use memtide_policy::{Activeness, EpochClock, Relieve, SweepPages, Watermarks};
 use serde::Serialize;
 
 /// What a replay counted.
@@ -254,11 +254,12 @@ impl Policy for Clock {
 }
 
 /// memtide's policy as the engine runs it: pages faulted in are mapped and invisible until the
-/// CLOCK sweep (the policy crate's [`Sweep`] over [`Activeness`] histories) unmaps the idlest
+/// CLOCK sweep (the policy crate's [`memtide_policy::Clock`] over [`Activeness`] histories) unmaps the idlest
 /// into an inactive FIFO; touching an inactive page is a soft fault that promotes it; the FIFO's
-/// oldest pages go to tier 1 when DRAM passes the [`Watermarks`]. Epochs come from the policy
-/// crate's [`EpochClock`] on simulated time: each access costs `access_ns`, each miss
-/// `miss_ns` more.
+/// oldest pages go to tier 1 when DRAM passes the [`Watermarks`] — the policy crate's own
+/// pressure relief ([`Watermarks::relieve`]) drives both, over this simulator's page states, as
+/// the engine's evictor drives them over its page table. Epochs come from the policy crate's
+/// [`EpochClock`] on simulated time: each access costs `access_ns`, each miss `miss_ns` more.
 pub struct Memtide {
     state: Vec<u8>,
     hist: Vec<Activeness>,
@@ -271,8 +272,7 @@ pub struct Memtide {
     staged: u64,
     resident: u64,
     wm: Watermarks,
-    sweep: Sweep,
-    hand: usize,
+    sweep: memtide_policy::Clock,
     clock: EpochClock,
     now_ns: u64,
     access_ns: u64,
@@ -281,6 +281,98 @@ pub struct Memtide {
 }
 
 const STAGED: u8 = 3;
+
+/// Page `i`'s history as of epoch `now`, brought up to date.
+fn history(hist: &mut [Activeness], aged_at: &mut [u32], now: u32, i: usize) -> Activeness {
+    let behind = now.wrapping_sub(aged_at[i]);
+    if behind != 0 {
+        hist[i] = hist[i].aged(behind as u64);
+        aged_at[i] = now;
+    }
+    hist[i]
+}
+
+/// The simulator's pages as the policy's sweep sees them: pages in DRAM and mapped are
+/// candidates; taking one puts it at the back of the inactive FIFO.
+struct Candidates<'a> {
+    state: &'a mut [u8],
+    hist: &'a mut [Activeness],
+    aged_at: &'a mut [u32],
+    now: u32,
+    fifo: &'a mut std::collections::VecDeque<u32>,
+    staged: &'a mut u64,
+    extent: usize,
+}
+
+impl SweepPages for Candidates<'_> {
+    fn extent(&self) -> usize {
+        self.extent
+    }
+
+    fn candidate(&mut self, i: usize) -> Option<Activeness> {
+        (self.state[i] & 3 == IN_DRAM).then(|| history(self.hist, self.aged_at, self.now, i))
+    }
+
+    fn take(&mut self, i: usize) -> bool {
+        self.state[i] = (self.state[i] & DIRTY) | STAGED;
+        self.fifo.push_back(i as u32);
+        *self.staged += 1;
+        true
+    }
+}
+
+/// The simulator as the policy's pressure relief drives it; write-backs are counted in `o`.
+struct Pressure<'a> {
+    m: &'a mut Memtide,
+    o: &'a mut Outcome,
+}
+
+impl Relieve for Pressure<'_> {
+    fn resident(&self) -> u64 {
+        self.m.resident
+    }
+
+    fn inactive(&self) -> u64 {
+        self.m.staged
+    }
+
+    fn deactivate(&mut self, want: u64) -> u64 {
+        let m = &mut *self.m;
+        let mut pages = Candidates {
+            state: &mut m.state,
+            hist: &mut m.hist,
+            aged_at: &mut m.aged_at,
+            now: m.clock.epoch() as u32,
+            fifo: &mut m.fifo,
+            staged: &mut m.staged,
+            extent: m.touched_max,
+        };
+        m.sweep.deactivate(&mut pages, want as usize) as u64
+    }
+
+    fn write_back(&mut self, batch: u64) -> u64 {
+        let m = &mut *self.m;
+        let mut moved = 0;
+        while moved < batch {
+            let Some(p) = m.fifo.pop_front() else {
+                break;
+            };
+            let p = p as usize;
+            if m.state[p] & 3 != STAGED {
+                continue;
+            }
+            self.o.demotions += 1;
+            if m.state[p] & DIRTY != 0 {
+                self.o.writebacks += 1;
+            }
+            m.state[p] = OUT;
+            m.staged -= 1;
+            m.resident -= 1;
+            moved += 1;
+        }
+        moved
+    }
+}
 
 impl Memtide {
     pub fn new(pages: u64, cap: u64, access_ns: u64, miss_ns: u64, epoch_ns: u64) -> Memtide {
@@ -292,8 +384,7 @@ impl Memtide {
             staged: 0,
             resident: 0,
             wm: Watermarks::for_quota(cap.max(16)),
-            sweep: Sweep::default(),
-            hand: 0,
+            sweep: memtide_policy::Clock::default(),
             clock: EpochClock::new(epoch_ns),
             now_ns: 0,
             access_ns,
@@ -302,78 +393,19 @@ impl Memtide {
         }
     }
 
-    /// Page `i`'s history as of now.
-    fn history(&mut self, i: usize) -> Activeness {
-        let now = self.clock.epoch() as u32;
-        let behind = now.wrapping_sub(self.aged_at[i]);
-        if behind != 0 {
-            self.hist[i] = self.hist[i].aged(behind as u64);
-            self.aged_at[i] = now;
-        }
-        self.hist[i]
-    }
-
     fn touch(&mut self, i: usize) {
-        let h = self.history(i);
+        let h = history(
+            &mut self.hist,
+            &mut self.aged_at,
+            self.clock.epoch() as u32,
+            i,
+        );
         self.hist[i] = h.touch();
     }
 
-    fn deactivate(&mut self, want: u64) {
-        let n = self.touched_max;
-        let mut found = 0;
-        let mut scanned = 0;
-        self.sweep.want(want);
-        while found < want && scanned < n * (Sweep::MAX_IDLE as usize + 1) {
-            if self.hand >= n {
-                self.hand = 0;
-                self.sweep.end_pass(want - found);
-            }
-            let i = self.hand;
-            self.hand += 1;
-            scanned += 1;
-            if self.state[i] & 3 != IN_DRAM {
-                continue;
-            }
-            let h = self.history(i);
-            if self.sweep.take(h) {
-                self.state[i] = (self.state[i] & DIRTY) | STAGED;
-                self.fifo.push_back(i as u32);
-                self.staged += 1;
-                found += 1;
-            }
-        }
-    }
-
     fn relieve(&mut self, o: &mut Outcome) {
-        if !self.wm.over_high(self.resident) {
-            return;
-        }
-        while !self.wm.under_low(self.resident) {
-            if self.staged < self.wm.inactive_target {
-                self.deactivate(self.wm.inactive_target - self.staged);
-            }
-            let mut moved = 0;
-            while moved < self.wm.batch {
-                let Some(p) = self.fifo.pop_front() else {
-                    break;
-                };
-                let p = p as usize;
-                if self.state[p] & 3 != STAGED {
-                    continue;
-                }
-                o.demotions += 1;
-                if self.state[p] & DIRTY != 0 {
-                    o.writebacks += 1;
-                }
-                self.state[p] = OUT;
-                self.staged -= 1;
-                self.resident -= 1;
-                moved += 1;
-            }
-            if moved == 0 {
-                break;
-            }
-        }
+        let wm = self.wm;
+        wm.relieve(&mut Pressure { m: self, o });
     }
 }
 

@@ -6,7 +6,9 @@
 
 use std::sync::atomic::Ordering;
 
-use memtide_policy::{EpochClock, Sweep, Watermarks, PAGE_SIZE};
+use memtide_policy::{
+    Activeness, Clock, EpochClock, Relief, Relieve, SweepPages, Watermarks, PAGE_SIZE,
+};
 
 use super::fatal::fatal;
 use super::ring::{RING_DEAD, RING_EMPTY};
@@ -17,9 +19,8 @@ use crate::sys;
 
 impl Engine {
     pub(super) fn evictor_main(&self) {
-        let mut sweep = Sweep::default();
+        let mut sweep = Clock::default();
         let mut clock = EpochClock::new(self.epoch_ns);
-        let mut hand = 0usize;
         let mut victims: Vec<usize> = Vec::with_capacity(Watermarks::MAX_BATCH as usize * 4);
         let mut writing: Vec<(usize, u32)> = Vec::with_capacity(Watermarks::MAX_BATCH as usize);
         let mut warned_underreport = false;
@@ -44,7 +45,22 @@ impl Engine {
                 self.tier_full.store(false, Ordering::Release);
             }
             if !self.detached.load(Ordering::Acquire) && self.tier_usable() {
-                self.relieve_pressure(&mut sweep, &mut hand, &mut victims, &mut writing);
+                let mut relief = Pressure {
+                    engine: self,
+                    sweep: &mut sweep,
+                    victims: &mut victims,
+                    writing: &mut writing,
+                };
+                match self.quota.wm.relieve(&mut relief) {
+                    Relief::Calm => self.quota.set_overcommit(false),
+                    Relief::Stuck => {
+                        // Nothing evictable right now (everything pinned, in flight, or tiny):
+                        // let faulting threads through rather than have them wait on us.
+                        self.quota.set_overcommit(true);
+                        self.quota.wake_waiters();
+                    }
+                    Relief::Relieved | Relief::Stopped => {}
+                }
             }
             let cpu1 = sys::thread_cpu_ns();
             let underreported = self.counters.moves_underreported.load(Ordering::Relaxed);
@@ -70,50 +86,6 @@ impl Engine {
                 self.bell.wait(k, wait);
             }
             self.bell.set_sleeping(false);
-        }
-    }
-
-    /// Writes back until resident memory is under the low watermark, refilling the inactive
-    /// list as it goes; or, near the quota, keeps the inactive list filled so that hot pages
-    /// show themselves by faulting back.
-    fn relieve_pressure(
-        &self,
-        sweep: &mut Sweep,
-        hand: &mut usize,
-        victims: &mut Vec<usize>,
-        writing: &mut Vec<(usize, u32)>,
-    ) {
-        let wm = self.quota.wm;
-        let resident = self.quota.resident();
-        if !wm.over_high(resident) {
-            if resident + wm.low_headroom + wm.inactive_target >= wm.quota {
-                let staged = self.ring.staged.load(Ordering::Acquire);
-                if staged < wm.inactive_target {
-                    self.deactivate(wm.inactive_target - staged, sweep, hand, victims);
-                }
-            }
-            self.quota.set_overcommit(false);
-            return;
-        }
-        while !wm.under_low(self.quota.resident()) {
-            let staged = self.ring.staged.load(Ordering::Acquire);
-            let mut progress = 0;
-            if staged < wm.inactive_target {
-                progress += self.deactivate(wm.inactive_target - staged, sweep, hand, victims);
-            }
-            progress += self.write_back(wm.batch, writing);
-            if !self.tier_usable() || self.pause.load(Ordering::Acquire) {
-                break;
-            }
-            if progress == 0 {
-                // Nothing evictable right now (everything pinned, in flight, or tiny): let
-                // faulting threads through rather than have them wait on us.
-                self.quota.set_overcommit(true);
-                self.quota.wake_waiters();
-                return;
-            }
-            self.quota.set_overcommit(false);
-            self.quota.wake_waiters();
         }
     }
 
@@ -144,41 +116,18 @@ impl Engine {
         self.counters.active_pages.store(active, Ordering::Relaxed);
     }
 
-    /// Moves up to `want` of the coldest mapped pages into the inactive list (staging). Returns
-    /// how many it moved.
-    fn deactivate(
-        &self,
-        want: u64,
-        sweep: &mut Sweep,
-        hand: &mut usize,
-        victims: &mut Vec<usize>,
-    ) -> u64 {
+    /// Moves up to `want` of the coldest mapped pages, as the policy's CLOCK sweep picks them,
+    /// into the inactive list (staging). Returns how many it moved.
+    fn deactivate(&self, want: u64, sweep: &mut Clock, victims: &mut Vec<usize>) -> u64 {
         let want = want.min(self.ring.room()).min(victims.capacity() as u64) as usize;
-        let hw = self.high_water.load(Ordering::Acquire);
-        if want == 0 || hw == 0 {
-            return 0;
-        }
         victims.clear();
-        sweep.want(want as u64);
-        // Up to MAX_IDLE + 1 passes: each pass that comes up short lowers the bar.
-        let mut scanned = 0usize;
-        while victims.len() < want && scanned < hw * (Sweep::MAX_IDLE as usize + 1) {
-            if *hand >= hw {
-                *hand = 0;
-                sweep.end_pass((want - victims.len()) as u64);
-            }
-            let i = *hand;
-            *hand += 1;
-            scanned += 1;
-            let w = self.pt.load(i);
-            if w.state() == State::Mapped
-                && w.pins() == 0
-                && !w.protected()
-                && sweep.take(w.history())
-                && self.pt.claim(i, State::Mapped, true).is_some()
-            {
-                victims.push(i);
-            }
+        let mut candidates = Candidates {
+            engine: self,
+            extent: self.high_water.load(Ordering::Acquire),
+            victims,
+        };
+        if sweep.deactivate(&mut candidates, want) == 0 {
+            return 0;
         }
         if !self.locked {
             // Unlocked memory may have been swapped out by Linux: only pages in DRAM move.
@@ -489,5 +438,67 @@ impl Engine {
         self.quota.set_overcommit(true);
         failed.extend(rest.iter().map(|&(p, s, _)| (p, s)));
         self.quota.wake_waiters();
+    }
+}
+
+/// The page table as the policy's sweep sees it: mapped, unpinned pages the program has not
+/// protected are candidates; taking one claims it (`Busy`) for the move to staging.
+struct Candidates<'a> {
+    engine: &'a Engine,
+    extent: usize,
+    victims: &'a mut Vec<usize>,
+}
+
+impl SweepPages for Candidates<'_> {
+    fn extent(&self) -> usize {
+        self.extent
+    }
+
+    fn candidate(&mut self, i: usize) -> Option<Activeness> {
+        let w = self.engine.pt.load(i);
+        (w.state() == State::Mapped && w.pins() == 0 && !w.protected()).then(|| w.history())
+    }
+
+    fn take(&mut self, i: usize) -> bool {
+        let claimed = self.engine.pt.claim(i, State::Mapped, true).is_some();
+        if claimed {
+            self.victims.push(i);
+        }
+        claimed
+    }
+}
+
+/// The engine as the policy's pressure relief drives it.
+struct Pressure<'a> {
+    engine: &'a Engine,
+    sweep: &'a mut Clock,
+    victims: &'a mut Vec<usize>,
+    writing: &'a mut Vec<(usize, u32)>,
+}
+
+impl Relieve for Pressure<'_> {
+    fn resident(&self) -> u64 {
+        self.engine.quota.resident()
+    }
+
+    fn inactive(&self) -> u64 {
+        self.engine.ring.staged.load(Ordering::Acquire)
+    }
+
+    fn deactivate(&mut self, want: u64) -> u64 {
+        self.engine.deactivate(want, self.sweep, self.victims)
+    }
+
+    fn write_back(&mut self, batch: u64) -> u64 {
+        self.engine.write_back(batch, self.writing)
+    }
+
+    fn stopped(&self) -> bool {
+        !self.engine.tier_usable() || self.engine.pause.load(Ordering::Acquire)
+    }
+
+    fn made_room(&mut self) {
+        self.engine.quota.set_overcommit(false);
+        self.engine.quota.wake_waiters();
     }
 }

@@ -10,16 +10,15 @@ use std::cell::Cell;
 use std::io;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
+use memtide_policy::ahead::{readahead_window, zero_fill, READAHEAD, ZERO_CHUNK};
 use memtide_policy::{Activeness, PAGE_SIZE};
 
 use super::fatal::{fatal, fatal_with, presence_code};
-use super::{Engine, Fault, ZERO_CHUNK};
+use super::{Engine, Fault};
 use crate::pages::{State, Word, NONE};
 use crate::stats::Counters;
 use crate::sys::{self, Mapping};
 
-/// Most pages read ahead on a sequential run of tier faults.
-pub(super) const READAHEAD: usize = 16;
 /// Faults in a row on one page the engine holds mapped before it looks whether the page is
 /// really there (see `check_mapped`).
 const MAPPED_MISSING_LIMIT: u32 = 1000;
@@ -27,16 +26,6 @@ const MAPPED_MISSING_LIMIT: u32 = 1000;
 const BOUNCE_BUFFERS: usize = 64;
 /// Reads of one run of tier slots before the engine gives up on it.
 const TIER_READ_TRIES: u32 = 5;
-
-/// Pages a tier read brings in on the `run`-th fault of a sequential run: 1, 1, 2, 4, 8,
-/// then `READAHEAD`.
-fn readahead_window(run: usize) -> usize {
-    if run < 3 {
-        1
-    } else {
-        (1usize << (run - 2).min(8)).min(READAHEAD)
-    }
-}
 
 /// Page-sized, aligned buffers for tier reads, taken without locks.
 pub(super) struct BouncePool {
@@ -211,7 +200,7 @@ impl Engine {
         let forward =
             p == 0 || self.pt.load(p - 1).state() == State::Mapped || self.pt.block(p).0 != 0;
         let backward = p + 1 < pages && self.pt.load(p + 1).state() == State::Mapped;
-        let want = if forward || backward { ZERO_CHUNK } else { 1 };
+        let want = zero_fill(forward || backward);
         self.reserve(want as u64);
         if self.pt.claim(p, State::Unpopulated, false).is_none() {
             self.quota.unreserve(want as u64);
@@ -517,20 +506,5 @@ impl Engine {
         Counters::add(&self.counters.tier_read_bytes, (n * PAGE_SIZE) as u64);
         self.counters.fault_tier_latency.record(sys::now_ns() - t0);
         true
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn readahead_grows_with_the_sequential_run() {
-        // Two faults in a row are an object spanning two pages, not a stream.
-        assert_eq!(readahead_window(1), 1);
-        assert_eq!(readahead_window(2), 1);
-        let w: Vec<usize> = (3..=8).map(readahead_window).collect();
-        assert_eq!(w, [2, 4, 8, 16, 16, 16]);
-        assert_eq!(readahead_window(usize::MAX), READAHEAD);
     }
 }

@@ -39,6 +39,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+use memtide_policy::ahead::ZERO_CHUNK;
 use memtide_policy::{Watermarks, PAGE_SIZE};
 
 use crate::arena::RangeAlloc;
@@ -56,9 +57,6 @@ use quota::{Doorbell, Quota};
 use ring::StagingRing;
 
 pub use region::Pinned;
-
-/// Pages zero-filled together on a first touch (64 KiB).
-const ZERO_CHUNK: usize = 16;
 
 /// What the engine is asked to do.
 #[derive(Clone, Debug)]
