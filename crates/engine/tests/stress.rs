@@ -2,14 +2,18 @@
 //!
 //! Models a program whose threads randomly read and write pages of a footprint 8x the DRAM
 //! quota while the engine evicts and fetches underneath them, and which also discards ranges
-//! (`madvise(DONTNEED)`), frees and reallocates blocks (`munmap` + `mmap`), grows and shrinks
-//! them (`mremap`, moving or in place), moves data through the kernel (`write(2)` from managed
-//! memory into a pipe, `read(2)` back into managed memory), and finally forks. Every page's
-//! whole content is derived from a version kept in a shadow table, so any lost or corrupted
-//! write, or a page that reads back stale or non-zero after a discard, is a mismatch. The test
-//! fails on any mismatch.
+//! (`madvise(DONTNEED)`), protects ranges read-only and back (`mprotect`), frees and
+//! reallocates blocks (`munmap` + `mmap`), grows and shrinks them (`mremap`, moving or in
+//! place), moves data through the kernel (`write(2)` from managed memory into a pipe, `read(2)`
+//! back into managed memory), and finally forks. Meanwhile a thread clears the accessed bits
+//! of every page table entry (as DAMON does on these machines). Every page's whole content is
+//! derived from a version kept in a shadow table, so any lost or corrupted write, or a page
+//! that reads back stale or non-zero after a discard, is a mismatch. The test fails on any
+//! mismatch, and audits the engine's books against the page tables at the end.
 //!
-//! Runs about 40 s by default; set `MEMTIDE_STRESS_SECS` for longer runs.
+//! Runs 40 s by default: `cargo test --release -p memtide-engine --test stress -- --minutes 60`
+//! (or `--seconds N`, or `MEMTIDE_STRESS_SECS`) for a soak. It prints its counts every minute
+//! and at the end.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::RwLock;
@@ -145,6 +149,24 @@ impl World {
                     Self::fill(&l, p, next_version);
                     self.unlock(b, p, next_version);
                 }
+            } else if op < 983 {
+                // mprotect a few pages read-only, read them, and make them writable again
+                // (nobody writes them meanwhile: their locks are held).
+                let l = self.blocks[b].layout.read().unwrap();
+                let first = rng.below(l.pages);
+                let n = (1 + rng.below(16)).min(l.pages - first);
+                let vs: Vec<u32> = (first..first + n).map(|p| self.lock(b, p)).collect();
+                let (a, len) = (l.addr + first * PAGE, n * PAGE);
+                self.engine.protect(a, len, libc::PROT_READ).unwrap();
+                for (p, &v) in (first..first + n).zip(&vs) {
+                    self.check(&l, p, v, "read-only");
+                }
+                self.engine
+                    .protect(a, len, libc::PROT_READ | libc::PROT_WRITE)
+                    .unwrap();
+                for (p, &v) in (first..first + n).zip(&vs) {
+                    self.unlock(b, p, v);
+                }
             } else if op < 990 {
                 // madvise(DONTNEED) of a few pages: they must read back as zeros.
                 let l = self.blocks[b].layout.read().unwrap();
@@ -278,12 +300,59 @@ impl World {
     }
 }
 
-#[test]
-fn stress_eviction_racing_with_access() {
-    let secs: u64 = std::env::var("MEMTIDE_STRESS_SECS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(40);
+/// How long to run: `--minutes N`, `--seconds N`, `MEMTIDE_STRESS_SECS`, or 40 s. Other
+/// arguments (those cargo passes every test binary) are ignored.
+fn duration() -> Duration {
+    let args: Vec<String> = std::env::args().collect();
+    let flag = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .and_then(|v| v.parse::<f64>().ok())
+    };
+    let secs = flag("--minutes")
+        .map(|m| m * 60.0)
+        .or_else(|| flag("--seconds"))
+        .or_else(|| {
+            std::env::var("MEMTIDE_STRESS_SECS")
+                .ok()
+                .and_then(|s| s.parse().ok())
+        })
+        .unwrap_or(40.0);
+    Duration::from_secs_f64(secs)
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        println!("stress_eviction_racing_with_access: test");
+        return;
+    }
+    stress_eviction_racing_with_access(duration());
+    // The line cargo's test harness prints, for the suite's totals.
+    println!("test result: ok. 1 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out");
+}
+
+fn counts(world: &World, snap: &memtide_engine::Snapshot) -> String {
+    format!(
+        "ops {} mismatches {} | faults zero {} tier {} inactive {} wait {} | demotions {} (clean {}, zero {}) | moves underreported {} | tier errors {}, mismatched reads {} | peak DRAM {} KiB of {} KiB quota",
+        world.ops.load(Ordering::Relaxed),
+        world.mismatches.load(Ordering::Relaxed),
+        snap.faults_zero,
+        snap.faults_tier,
+        snap.faults_inactive,
+        snap.faults_wait,
+        snap.demotions,
+        snap.demotions_clean,
+        snap.demotions_zero,
+        snap.moves_underreported,
+        snap.tier_errors,
+        snap.tier_read_mismatches,
+        snap.peak_dram_bytes >> 10,
+        snap.quota_bytes >> 10
+    )
+}
+
+fn stress_eviction_racing_with_access(run_for: Duration) {
     let dir = std::env::temp_dir().join(format!("memtide-stress-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let mut cfg = Config::new(QUOTA, &dir);
@@ -307,34 +376,39 @@ fn stress_eviction_racing_with_access() {
         ops: AtomicU64::new(0),
         stop: AtomicBool::new(false),
     };
-    eprintln!("stress test (not a benchmark): {secs} s, 4 threads, footprint 8x the quota");
+    eprintln!(
+        "stress test (not a benchmark): {:.0} s, 4 threads, footprint 8x the quota, accessed bits cleared all along",
+        run_for.as_secs_f64()
+    );
     let start = Instant::now();
+    let mut report = Instant::now();
     std::thread::scope(|s| {
         for t in 0..4u64 {
             let w = &world;
             s.spawn(move || w.worker(0x1234_5678 + t * 7919));
         }
-        while start.elapsed() < Duration::from_secs(secs) {
+        s.spawn(|| {
+            while !world.stop.load(Ordering::Relaxed) {
+                std::fs::write("/proc/self/clear_refs", "1").expect("clear accessed bits");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        });
+        while start.elapsed() < run_for {
             std::thread::sleep(Duration::from_millis(200));
+            if report.elapsed() >= Duration::from_secs(60) {
+                report = Instant::now();
+                eprintln!(
+                    "  {:.0} min: {}",
+                    start.elapsed().as_secs_f64() / 60.0,
+                    counts(&world, &engine.snapshot())
+                );
+            }
         }
         world.stop.store(true, Ordering::Relaxed);
     });
     let final_mismatches = world.verify_all("final sweep");
     let snap = engine.snapshot();
-    eprintln!(
-        "ops {} mismatches {} | faults zero {} tier {} inactive {} wait {} | demotions {} (clean {}, zero {}) | peak DRAM {} KiB of {} KiB quota",
-        world.ops.load(Ordering::Relaxed),
-        world.mismatches.load(Ordering::Relaxed),
-        snap.faults_zero,
-        snap.faults_tier,
-        snap.faults_inactive,
-        snap.faults_wait,
-        snap.demotions,
-        snap.demotions_clean,
-        snap.demotions_zero,
-        snap.peak_dram_bytes >> 10,
-        snap.quota_bytes >> 10
-    );
+    eprintln!("{}", counts(&world, &snap));
     assert_eq!(
         world.mismatches.load(Ordering::Relaxed),
         0,
