@@ -1,27 +1,18 @@
-//! The `memtide` binary: parses the command line and calls into the subcommands. Thin by design;
-//! the work is in `run.rs` (start a program with tiered memory), `demo.rs` (the built-in
-//! workload, all-DRAM vs memtide), `bench.rs` (the same against Linux swap), `sim.rs` (replay under other sizes and policies), `plan.rs`
-//! (size hosts from tenant profiles), `probe.rs` (judge a device), and `workload.rs`
-//! (the workload itself, a hidden subcommand the others start). Entry point: [`main`].
+//! The `memtide` binary: parses the command line and calls into the subcommands. Thin by design
+//! and without `unsafe`: `run.rs` starts a program with tiered memory (memtide's main job, over
+//! the engine's `launch` module), `sim.rs` and `plan.rs` are the simulator's and planner's
+//! commands (over `memtide-sim`); demo, bench, probe and the built-in workload are the
+//! laboratory in `memtide-bench`. Entry point: [`main`].
+#![forbid(unsafe_code)]
 
-mod bench;
-mod demo;
-mod kv;
-mod opts;
 mod plan;
-mod plot;
-mod preflight;
-mod probe;
-mod report;
 mod run;
 mod sim;
-mod summary;
-mod tenants;
-mod workload;
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use memtide_bench::{bench, demo, probe, workload};
 
 /// memtide: run programs with more memory than DRAM. Hot pages stay in DRAM, cold pages move to
 /// a tier-1 file on an SSD/NVMe, without changing the program.
@@ -70,9 +61,7 @@ enum Cmd {
 }
 
 fn main() -> ExitCode {
-    // A closed pipe on stdout is a normal way for a reader to stop.
-    // SAFETY: setting a signal disposition before any threads exist.
-    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    memtide_engine::launch::default_sigpipe();
     let cli = Cli::parse();
     let result = match cli.cmd {
         Cmd::Run(a) => run::run(a),

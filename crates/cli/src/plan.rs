@@ -16,7 +16,7 @@ use memtide_sim::workload::{Kind, Spec};
 use memtide_sim::{simulate, Job, Latency, Source, Trace};
 use serde::Deserialize;
 
-use crate::opts;
+use memtide_bench::opts;
 
 #[derive(Args, Debug)]
 pub struct PlanArgs {
@@ -293,7 +293,7 @@ pub fn plan(a: PlanArgs) -> Result<ExitCode> {
     let mut tier_ns = a.tier_latency;
     let mut latency_from = format!("{:.0} µs (--tier-latency)", tier_ns / 1e3);
     if let Some(p) = &a.probe {
-        let r = crate::probe::ProbeReport::load(p)?;
+        let r = memtide_bench::probe::ProbeReport::load(p)?;
         tier_ns = r.tier_latency_us * 1e3;
         latency_from = format!(
             "{:.0} µs ({} read p50 {:.0} µs + fault handling)",
@@ -341,7 +341,10 @@ pub fn plan(a: PlanArgs) -> Result<ExitCode> {
         let out = simulate(&p.source, &jobs, &lat, threads, &|done, _| {
             if tty {
                 let d = k * fractions.len() + done;
-                eprint!("\r{} {d}/{total} replays", crate::report::bar(d, total));
+                eprint!(
+                    "\r{} {d}/{total} replays",
+                    memtide_bench::report::bar(d, total)
+                );
                 let _ = std::io::stderr().flush();
             }
         })?;
@@ -485,12 +488,12 @@ pub fn plan(a: PlanArgs) -> Result<ExitCode> {
 
     let series = tenants
         .iter()
-        .map(|t| crate::plot::Series {
+        .map(|t| memtide_bench::plot::Series {
             name: t.name.clone(),
             points: t.curve.iter().map(|p| (p.fraction, p.loss())).collect(),
         })
         .collect();
-    crate::plot::Chart::loss_vs_dram(
+    memtide_bench::plot::Chart::loss_vs_dram(
         "Estimated loss vs DRAM per tenant (memtide policy)".into(),
         "DRAM, fraction of the tenant's footprint",
         series,
@@ -504,7 +507,7 @@ pub fn plan(a: PlanArgs) -> Result<ExitCode> {
             "tenants": tenants,
             "plan": plan,
         });
-        crate::report::write_json(p, &json)?;
+        memtide_bench::report::write_json(p, &json)?;
     }
     Ok(ExitCode::SUCCESS)
 }

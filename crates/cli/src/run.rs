@@ -4,16 +4,16 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, ExitStatus};
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
 
-use memtide_engine::launch::{die_with_parent, StatsDir, TierEnv};
+use memtide_engine::launch::{die_with_parent, forward_signals, StatsDir, TierEnv};
 
-use crate::{opts, preflight, summary};
+use memtide_bench::{opts, preflight, summary};
 
 #[derive(Args, Debug)]
 pub struct RunArgs {
@@ -48,16 +48,6 @@ pub struct RunArgs {
         value_name = "PROGRAM"
     )]
     pub command: Vec<String>,
-}
-
-static CHILD: AtomicI32 = AtomicI32::new(0);
-
-extern "C" fn forward(sig: i32) {
-    let pid = CHILD.load(Ordering::Relaxed);
-    if pid > 0 {
-        // SAFETY: kill is async-signal-safe.
-        unsafe { libc::kill(pid, sig) };
-    }
 }
 
 /// Exit code a shell would report for this status.
@@ -132,11 +122,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     let mut child = cmd
         .spawn()
         .with_context(|| format!("cannot start {program}"))?;
-    CHILD.store(child.id() as i32, Ordering::Relaxed);
-    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT] {
-        // SAFETY: installing an async-signal-safe handler.
-        unsafe { libc::signal(sig, forward as *const () as libc::sighandler_t) };
-    }
+    forward_signals(child.id());
     let done = Arc::new(AtomicBool::new(false));
     // Poll the stats files while the program runs: for --stats, and so that the summary can
     // judge coverage at peak rather than after the program freed its memory.

@@ -12,7 +12,7 @@ use memtide_engine::size;
 use memtide_sim::trace::{Record, Writer};
 use memtide_sim::{simulate, Job, Latency, Source, Spec, Trace, ALL_POLICIES, KNOWN_POLICIES};
 
-use crate::opts;
+use memtide_bench::opts;
 
 #[derive(Args, Debug)]
 pub struct SimArgs {
@@ -152,7 +152,7 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
     policies.dedup();
     let tier_ns = match &a.probe {
         Some(p) => {
-            let r = crate::probe::ProbeReport::load(p)?;
+            let r = memtide_bench::probe::ProbeReport::load(p)?;
             eprintln!(
                 "tier latency {:.0} µs from {} ({} read p50 {:.0} µs + fault handling)",
                 r.tier_latency_us,
@@ -186,7 +186,7 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
         if tty {
             eprint!(
                 "\r{} {done}/{total} replays",
-                crate::report::bar(done, total)
+                memtide_bench::report::bar(done, total)
             );
             let _ = std::io::stderr().flush();
         }
@@ -273,13 +273,13 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
                     })
                     .collect();
                 points.sort_by(|a, b| a.0.total_cmp(&b.0));
-                crate::plot::Series {
+                memtide_bench::plot::Series {
                     name: p.clone(),
                     points,
                 }
             })
             .collect();
-        crate::plot::Chart::loss_vs_dram(
+        memtide_bench::plot::Chart::loss_vs_dram(
             format!("Estimated loss vs DRAM — {label}"),
             "DRAM, fraction of the footprint",
             series,
@@ -321,7 +321,7 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
             "rate": full_rate,
             "results": rows,
         });
-        crate::report::write_json(p, &json)?;
+        memtide_bench::report::write_json(p, &json)?;
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -1,13 +1,15 @@
-//! Starting a program under memtide: the environment the preload library reads (its half of
-//! the contract is in the preload crate's `settings`), a private directory the program's
+//! Starting a program under memtide: the environment the preload library reads (the other half
+//! of that contract is the preload crate's `Settings`), a private directory the program's
 //! statistics are written to, and a parent-death signal, so that a program whose launcher is
-//! killed does not run on unwatched. Entry points: [`TierEnv::apply`], [`StatsDir::new`],
-//! [`die_with_parent`].
+//! killed does not run on unwatched; and the launcher's own signal plumbing. Entry points:
+//! [`TierEnv::apply`], [`StatsDir::new`], [`die_with_parent`], [`forward_signals`],
+//! [`default_sigpipe`].
 
 use std::io;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::atomic::{AtomicI32, Ordering};
 
 /// The settings the preload library reads, as environment variables.
 pub struct TierEnv<'a> {
@@ -116,4 +118,32 @@ pub fn die_with_parent(cmd: &mut Command, signal: i32) {
             Ok(())
         });
     }
+}
+
+/// The program signals are forwarded to.
+static FORWARD_TO: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn forward(sig: i32) {
+    let pid = FORWARD_TO.load(Ordering::Relaxed);
+    if pid > 0 {
+        // SAFETY: kill is async-signal-safe.
+        unsafe { libc::kill(pid, sig) };
+    }
+}
+
+/// From now on, SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to this process are passed on to
+/// process `pid` (the launched program decides what they mean).
+pub fn forward_signals(pid: u32) {
+    FORWARD_TO.store(pid as i32, Ordering::Relaxed);
+    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT] {
+        // SAFETY: installing an async-signal-safe handler.
+        unsafe { libc::signal(sig, forward as *const () as libc::sighandler_t) };
+    }
+}
+
+/// Restores SIGPIPE's default action (Rust ignores it): a reader that closes the pipe on a
+/// command's output is a normal way to stop it. Call before starting threads.
+pub fn default_sigpipe() {
+    // SAFETY: setting a signal disposition.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
 }

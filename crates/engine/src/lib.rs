@@ -7,7 +7,6 @@ mod engine;
 pub mod inject;
 pub mod launch;
 mod pages;
-pub mod probe;
 pub mod signal;
 pub mod size;
 pub mod stats;

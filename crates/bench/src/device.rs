@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use io_uring::{opcode, types, IoUring};
 
-use crate::sys;
+use memtide_engine::sys;
 
 /// Why a probe file could not be set up.
 #[derive(Debug, thiserror::Error)]

@@ -8,9 +8,9 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
+use crate::device::{Pattern, ProbeFile, Run};
 use anyhow::{Context, Result};
 use clap::Args;
-use memtide_engine::probe::{Pattern, ProbeFile, Run};
 use memtide_engine::size;
 use memtide_policy::health::{Health, HealthThresholds};
 use serde::{Deserialize, Serialize};

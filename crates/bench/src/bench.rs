@@ -13,9 +13,9 @@ use std::process::{Child, ChildStdin, Command, ExitCode, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::device::{Pattern, ProbeFile};
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use memtide_engine::probe::{Pattern, ProbeFile};
 use memtide_engine::size::format as bytes;
 use serde::{Deserialize, Serialize};
 
