@@ -66,9 +66,11 @@ impl Engine {
             let underreported = self.counters.moves_underreported.load(Ordering::Relaxed);
             if underreported > 0 && !warned_underreport {
                 warned_underreport = true;
+                let errno = self.underreport_errno.load(Ordering::Relaxed);
                 self.warn(format!(
-                    "the kernel reported a page move as failed although {underreported} page(s) \
-                     moved; memtide follows the page tables (counted as moves_underreported)"
+                    "the kernel reported a page move as failed (errno {errno}) although \
+                     {underreported} page(s) moved; memtide follows the page tables (counted as \
+                     moves_underreported)"
                 ));
             }
             Counters::add(&self.counters.scan_cpu_ns, ecpu0 - cpu0);
@@ -168,10 +170,7 @@ impl Engine {
             };
             let report =
                 report.unwrap_or_else(|e| fatal("reading the page tables after a move failed", &e));
-            Counters::add(
-                &self.counters.moves_underreported,
-                report.underreported as u64,
-            );
+            self.count_underreported(&report);
             for (j, &m) in moved.iter().enumerate() {
                 let p = first + j;
                 let s = s0 + j as u32;

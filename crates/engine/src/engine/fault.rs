@@ -325,10 +325,7 @@ impl Engine {
         };
         let report =
             report.unwrap_or_else(|e| fatal("reading the page tables after a move failed", &e));
-        Counters::add(
-            &self.counters.moves_underreported,
-            report.underreported as u64,
-        );
+        self.count_underreported(&report);
         if moved[0] {
             return;
         }

@@ -36,7 +36,7 @@ mod ring;
 
 use std::io;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use memtide_policy::ahead::ZERO_CHUNK;
@@ -50,7 +50,7 @@ use crate::signal::FaultHandler;
 use crate::stats::{Counters, Snapshot};
 use crate::sys::{self, Mapping};
 use crate::tier::{self, Backend, Faulty, FileTier, SlotMap, TierFaults, TierOpenError};
-use crate::uffd::{OpenError, Uffd};
+use crate::uffd::{MoveReport, OpenError, Uffd};
 
 use fault::{BouncePool, SequentialRun};
 use quota::{Doorbell, Quota};
@@ -168,6 +168,8 @@ pub struct Engine {
     parked: AtomicBool,
     /// Where tier reads ended, for read-ahead.
     sequential: SequentialRun,
+    /// The error the kernel gave with the latest move that moved more than it reported.
+    underreport_errno: AtomicI32,
     pub counters: Counters,
     inject: Inject,
     warnings: Mutex<Vec<String>>,
@@ -228,6 +230,7 @@ impl Engine {
             pause: AtomicBool::new(false),
             parked: AtomicBool::new(false),
             sequential: SequentialRun::new(),
+            underreport_errno: AtomicI32::new(0),
             counters: Counters::default(),
             inject: Inject::default(),
             warnings: Mutex::new(Vec::new()),
@@ -321,6 +324,15 @@ impl Engine {
         self.pagemap
             .of(addr)
             .unwrap_or_else(|e| fatal::fatal("reading the page tables failed", &e))
+    }
+
+    /// Counts the pages a move moved beyond what the kernel reported (async-signal-safe).
+    fn count_underreported(&self, r: &MoveReport) {
+        if r.underreported > 0 {
+            Counters::add(&self.counters.moves_underreported, r.underreported as u64);
+            let errno = r.error.as_ref().and_then(|e| e.raw_os_error()).unwrap_or(0);
+            self.underreport_errno.store(errno, Ordering::Relaxed);
+        }
     }
 
     fn warn(&self, msg: String) {

@@ -66,9 +66,8 @@ impl Engine {
         Ok((first, pages))
     }
 
-    /// Takes every page of `[first, first+pages)` out of wherever it is, leaving each `Busy`
-    /// and its DRAM and tier slot released, or `Free` pages untouched. Returns the pages it
-    /// claimed. `keep_slots` leaves tier slots attached (for moves).
+    /// Claims every page of `[first, first+pages)` (each `Busy`, whatever it was; `Free` pages
+    /// are left alone) and pushes each with the state it had to `out`, in address order.
     fn take_pages(&self, first: usize, pages: usize, out: &mut Vec<(usize, State)>) {
         for i in first..first + pages {
             if let Some(old) = self.pt.claim_any(i) {
@@ -107,25 +106,24 @@ impl Engine {
         // right now. (After a fork fallback the arena is plain memory, where any claimed page
         // may hold bytes the kernel mapped without asking us.)
         let detached = self.is_detached();
-        let holds = |st: State| st == State::Mapped || detached;
-        let mut k = 0;
-        while k < taken.len() {
-            if !holds(taken[k].1) {
-                k += 1;
-                continue;
-            }
-            let start = k;
-            while k < taken.len() && holds(taken[k].1) && taken[k].0 == taken[start].0 + (k - start)
-            {
-                k += 1;
-            }
+        for run in runs(taken, |_, st| st == State::Mapped || detached) {
             // SAFETY: these pages are ours (Busy) and the program asked for their contents to
             // go.
             unsafe {
-                let _ = sys::discard(self.addr_of(taken[start].0), (k - start) * PAGE_SIZE);
+                let _ = sys::discard(self.addr_of(taken[run.start].0), run.len() * PAGE_SIZE);
             }
         }
         self.quota.unreserve(mapped);
+    }
+
+    /// Claims the pages of a range and drops their contents: the first half of `munmap` and
+    /// `madvise(DONTNEED)`. Returns the pages claimed, each still `Busy`.
+    fn take_and_drop(&self, first: usize, pages: usize) -> Vec<(usize, State)> {
+        let mut taken = Vec::with_capacity(pages.min(1 << 16));
+        self.take_pages(first, pages, &mut taken);
+        self.inject.taken.pass([first as u64, pages as u64]);
+        self.drop_contents(&taken);
+        taken
     }
 
     /// `munmap` of managed memory: the range goes back to the arena.
@@ -135,10 +133,7 @@ impl Engine {
             return self.child_zap(first, pages);
         }
         let mask = sys::block_signals();
-        let mut taken = Vec::with_capacity(pages.min(1 << 16));
-        self.take_pages(first, pages, &mut taken);
-        self.inject.taken.pass([first as u64, pages as u64]);
-        self.drop_contents(&taken);
+        let taken = self.take_and_drop(first, pages);
         self.unprotect(&taken);
         for &(i, _) in &taken {
             self.pt.set_block(i, 0, false);
@@ -146,19 +141,8 @@ impl Engine {
         }
         {
             let mut r = self.ranges.lock().unwrap_or_else(|e| e.into_inner());
-            let mut run: Option<(usize, usize)> = None;
-            for &(i, _) in &taken {
-                run = match run {
-                    Some((s, n)) if s + n == i => Some((s, n + 1)),
-                    Some((s, n)) => {
-                        r.free(s, n);
-                        Some((i, 1))
-                    }
-                    None => Some((i, 1)),
-                };
-            }
-            if let Some((s, n)) = run {
-                r.free(s, n);
+            for run in runs(&taken, |_, _| true) {
+                r.free(taken[run.start].0, run.len());
             }
         }
         self.counters
@@ -171,16 +155,17 @@ impl Engine {
     /// Gives pages the program had protected their read-write protection back before they
     /// return to the arena (a later allocation there must be read-write).
     fn unprotect(&self, taken: &[(usize, State)]) {
-        for &(i, _) in taken {
-            if self.pt.load(i).protected() {
-                // SAFETY: our own arena page, going back to the arena.
-                let _ = unsafe {
-                    sys::mprotect(
-                        self.addr_of(i),
-                        PAGE_SIZE,
-                        libc::PROT_READ | libc::PROT_WRITE,
-                    )
-                };
+        for run in runs(taken, |i, _| self.pt.load(i).protected()) {
+            let first = taken[run.start].0;
+            // SAFETY: our own arena pages, going back to the arena.
+            let _ = unsafe {
+                sys::mprotect(
+                    self.addr_of(first),
+                    run.len() * PAGE_SIZE,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                )
+            };
+            for i in first..first + run.len() {
                 self.pt.set_protected(i, false);
             }
         }
@@ -194,11 +179,7 @@ impl Engine {
             return self.child_zap(first, pages);
         }
         let mask = sys::block_signals();
-        let mut taken = Vec::with_capacity(pages.min(1 << 16));
-        self.take_pages(first, pages, &mut taken);
-        self.inject.taken.pass([first as u64, pages as u64]);
-        self.drop_contents(&taken);
-        for &(i, _) in &taken {
+        for (i, _) in self.take_and_drop(first, pages) {
             self.pt.publish(i, State::Unpopulated, Some(Activeness(0)));
         }
         sys::restore_signals(&mask);
@@ -339,22 +320,12 @@ impl Engine {
         }
         // Mapped pages move in runs with UFFDIO_MOVE (no copy, no DRAM change).
         let mut moved = Vec::new();
-        let mut k = 0;
-        while k < taken.len() {
-            if taken[k].1 != State::Mapped {
-                k += 1;
-                continue;
-            }
-            let start = k;
-            while k < taken.len()
-                && taken[k].1 == State::Mapped
-                && taken[k].0 == taken[start].0 + (k - start)
-            {
-                k += 1;
-            }
+        let mapped: Vec<_> = runs(&taken, |_, st| st == State::Mapped).collect();
+        for run in mapped {
+            let start = run.start;
             let i = taken[start].0;
             moved.clear();
-            moved.resize(k - start, false);
+            moved.resize(run.len(), false);
             // SAFETY: source pages are ours (Busy) and mapped; destination pages are ours
             // (Busy), fresh and missing. Both lie in the registered arena.
             let report = unsafe {
@@ -367,10 +338,7 @@ impl Engine {
             };
             let report =
                 report.unwrap_or_else(|e| fatal("reading the page tables after a move failed", &e));
-            Counters::add(
-                &self.counters.moves_underreported,
-                report.underreported as u64,
-            );
+            self.count_underreported(&report);
             for (d, &m) in moved.iter().enumerate() {
                 let q = i + d;
                 if m {
@@ -542,5 +510,44 @@ impl Drop for Pinned<'_> {
         for i in self.first..self.first + self.pages {
             self.engine.pt.unpin(i);
         }
+    }
+}
+
+/// The runs of `taken` (pages in address order, with their states) where consecutive entries
+/// are consecutive pages that all satisfy `keep`: index ranges into `taken`.
+fn runs<'a>(
+    taken: &'a [(usize, State)],
+    keep: impl Fn(usize, State) -> bool + 'a,
+) -> impl Iterator<Item = std::ops::Range<usize>> + 'a {
+    let mut k = 0;
+    std::iter::from_fn(move || {
+        while k < taken.len() && !keep(taken[k].0, taken[k].1) {
+            k += 1;
+        }
+        if k == taken.len() {
+            return None;
+        }
+        let start = k;
+        k += 1;
+        while k < taken.len() && keep(taken[k].0, taken[k].1) && taken[k].0 == taken[k - 1].0 + 1 {
+            k += 1;
+        }
+        Some(start..k)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_split_at_gaps_and_at_pages_left_out() {
+        use State::{Evicted as E, Mapped as M};
+        let taken = [(1, M), (2, M), (3, E), (4, M), (7, M), (8, M)];
+        let mapped: Vec<_> = runs(&taken, |_, st| st == M).collect();
+        assert_eq!(mapped, [0..2, 3..4, 4..6]);
+        let all: Vec<_> = runs(&taken, |_, _| true).collect();
+        assert_eq!(all, [0..4, 4..6]);
+        assert_eq!(runs(&taken, |i, _| i > 8).count(), 0);
     }
 }
