@@ -433,7 +433,8 @@ impl Engine {
 
     /// Checks the page table's books (for tests, with the program's threads quiet): resident
     /// pages equal mapped and staged pages plus dead ring entries, every evicted page has a
-    /// slot, every staged page is named by its ring slot. Pauses the evictor while it looks.
+    /// slot, every staged page is named by its ring slot, no page is pinned. Pauses the
+    /// evictor while it looks.
     pub fn audit(&self) -> Result<(), String> {
         self.pause_evictor();
         let r = self.audit_paused();
@@ -466,6 +467,12 @@ impl Engine {
                     "page {i} is {:?} but {} in the arena",
                     w.state(),
                     if is_present { "present" } else { "missing" }
+                ));
+            }
+            if w.pins() != 0 {
+                return Err(format!(
+                    "page {i} holds {} pin(s) while the program is quiet",
+                    w.pins()
                 ));
             }
             match w.state() {
