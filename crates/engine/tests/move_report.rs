@@ -18,16 +18,23 @@ fn presence(addr: usize) -> Vec<Presence> {
     v
 }
 
-/// Moves 64 filled pages onto a destination whose page `block` is already occupied, or from
-/// a source with a hole at `block`; returns (reported pages moved, source, destination).
-fn partial_move(occupied_dst: bool, block: usize) -> (usize, Vec<Presence>, Vec<Presence>) {
+/// A userfaultfd and two 64-page mappings registered with it and locked, as the engine's
+/// arena and staging area are.
+fn registered_pair() -> (Uffd, Mapping, Mapping) {
     let uffd = Uffd::open().expect("userfaultfd");
-    let src = Mapping::anon(PAGES * PAGE).unwrap();
-    let dst = Mapping::anon(PAGES * PAGE).unwrap();
-    for m in [&src, &dst] {
+    let a = Mapping::anon(PAGES * PAGE).unwrap();
+    let b = Mapping::anon(PAGES * PAGE).unwrap();
+    for m in [&a, &b] {
         uffd.register(m.addr(), m.len()).unwrap();
         sys::lock_on_fault(m.addr(), m.len()).unwrap();
     }
+    (uffd, a, b)
+}
+
+/// Moves 64 filled pages onto a destination whose page `block` is already occupied, or from
+/// a source with a hole at `block`; returns (reported pages moved, source, destination).
+fn partial_move(occupied_dst: bool, block: usize) -> (usize, Vec<Presence>, Vec<Presence>) {
+    let (uffd, src, dst) = registered_pair();
     let page = vec![0xa5u8; PAGE];
     for i in 0..PAGES {
         if !occupied_dst && i == block {
@@ -86,14 +93,8 @@ fn clear_refs_until(stop: &AtomicBool) {
 /// page short (0: as the kernel reports). After every call the primitive's report must be
 /// exactly what pagemap says moved. Returns (moves with an error, pages under-reported).
 fn moves_agree_with_pagemap(rounds: usize, underreport: u32) -> (usize, usize) {
-    let uffd = Uffd::open().expect("userfaultfd");
+    let (uffd, a, b) = registered_pair();
     let pagemap = Pagemap::open().unwrap();
-    let a = Mapping::anon(PAGES * PAGE).unwrap();
-    let b = Mapping::anon(PAGES * PAGE).unwrap();
-    for m in [&a, &b] {
-        uffd.register(m.addr(), m.len()).unwrap();
-        sys::lock_on_fault(m.addr(), m.len()).unwrap();
-    }
     let page = vec![0x5au8; PAGE];
     for i in 0..PAGES {
         // SAFETY: the range is ours, registered and missing here.
