@@ -82,6 +82,11 @@ pub struct BenchArgs {
     /// Noisy: each tenant's DRAM budget, as a percentage of the sensitive tenant's footprint.
     #[arg(long, value_parser = opts::percent, default_value = "50")]
     pub tenant_dram: f64,
+    /// How memtide's configurations get their faults: `threads` (handler threads, the
+    /// default), `signal` (SIGBUS in the faulting thread), or both (`threads,signal`: every
+    /// memtide configuration twice, the SIGBUS one marked `sig`).
+    #[arg(long, value_delimiter = ',', value_parser = opts::delivery, default_value = "threads")]
+    pub faults: Vec<memtide_engine::Delivery>,
     /// Directory for memtide's tier file and Linux's swap file (the same device for both).
     #[arg(long, default_value = "/var/tmp")]
     pub tier: PathBuf,
@@ -388,6 +393,8 @@ struct RunRecord {
     throughput: f64,
     fill_seconds: f64,
     slow_fraction: f64,
+    /// p50 of the sampled slow accesses: a fault as the program waits for it.
+    slow_p50_us: f64,
     peak_rss: u64,
     tier_fault_p50_us: Option<f64>,
     tier_read_p50_us: Option<f64>,
@@ -410,6 +417,7 @@ struct Row {
     vs_swap: Option<f64>,
     fill_median_seconds: f64,
     slow_fraction_median: f64,
+    slow_p50_median_us: f64,
 }
 
 /// p50 of random 4 KiB O_DIRECT reads at queue depth 1 on a file in `dir`, in µs (the
@@ -592,16 +600,23 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
         vec![("all-DRAM".into(), 1.0, Placement::Dram, false)];
     for (i, &b) in budgets.iter().enumerate() {
         let pct = a.budgets[i];
-        configs.push((
-            format!("memtide {pct:.0}%"),
-            pct / 100.0,
-            Placement::Memtide {
-                dram: b,
-                tier: &a.tier,
-                preload: &preload,
-            },
-            false,
-        ));
+        for &faults in &a.faults {
+            let name = match faults {
+                memtide_engine::Delivery::Threads => format!("memtide {pct:.0}%"),
+                memtide_engine::Delivery::Signal => format!("memtide {pct:.0}% sig"),
+            };
+            configs.push((
+                name,
+                pct / 100.0,
+                Placement::Memtide {
+                    dram: b,
+                    tier: &a.tier,
+                    preload: &preload,
+                    faults,
+                },
+                false,
+            ));
+        }
         if let Some(procs) = cgroups.get(i) {
             configs.push((
                 format!("Linux swap {pct:.0}%"),
@@ -653,6 +668,13 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
         crate::report::write_json(p, &serde_json::Value::Object(report))?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The Linux-swap configuration a memtide configuration is compared with: the same budget.
+pub fn swap_peer(config: &str, budget: f64) -> Option<String> {
+    config
+        .starts_with("memtide ")
+        .then(|| format!("Linux swap {:.0}%", budget * 100.0))
 }
 
 /// Every configuration of a run: name, DRAM budget as a fraction, placement, zswap on.
@@ -737,6 +759,7 @@ fn micro(
                         throughput: o.result.throughput,
                         fill_seconds: o.result.fill_seconds,
                         slow_fraction: o.result.slow_fraction,
+                        slow_p50_us: o.result.slow_p50_us,
                         peak_rss: o.peak_rss,
                         tier_fault_p50_us: o.memtide.as_ref().map(|s| s.fault_tier_latency_p50_us),
                         tier_read_p50_us: o.memtide.as_ref().map(|s| s.tier_read_latency_p50_us),
@@ -763,17 +786,24 @@ fn micro(
     let mut rows = Vec::new();
     println!();
     println!(
-        "{:<8} {:>3} {:<16} {:>12} {:>9} {:>9} {:>9} {:>8}",
-        "workload", "thr", "config", "accesses/s", "vs DRAM", "vs swap", "miss", "fill s"
+        "{:<8} {:>3} {:<16} {:>12} {:>9} {:>9} {:>9} {:>8} {:>10}",
+        "workload",
+        "thr",
+        "config",
+        "accesses/s",
+        "vs DRAM",
+        "vs swap",
+        "miss",
+        "fill s",
+        "miss µs"
     );
     for w in &a.workloads {
         for &t in &a.threads {
             let dram = med(w, t, "all-DRAM", &|r| r.throughput);
             for (c, budget, _, _) in configs {
                 let tp = med(w, t, c, &|r| r.throughput);
-                let vs_swap = c
-                    .strip_prefix("memtide ")
-                    .map(|pct| tp / med(w, t, &format!("Linux swap {pct}"), &|r| r.throughput))
+                let vs_swap = swap_peer(c, *budget)
+                    .map(|swap| tp / med(w, t, &swap, &|r| r.throughput))
                     .filter(|v| v.is_finite());
                 let row = Row {
                     workload: w.clone(),
@@ -785,6 +815,7 @@ fn micro(
                     vs_swap,
                     fill_median_seconds: med(w, t, c, &|r| r.fill_seconds),
                     slow_fraction_median: med(w, t, c, &|r| r.slow_fraction),
+                    slow_p50_median_us: med(w, t, c, &|r| r.slow_p50_us),
                 };
                 let failed = records
                     .iter()
@@ -800,7 +831,7 @@ fn micro(
                     continue;
                 }
                 println!(
-                    "{:<8} {:>3} {:<16} {:>12.0} {:>8.3}x {:>9} {:>8.3}% {:>8.2}{}",
+                    "{:<8} {:>3} {:<16} {:>12.0} {:>8.3}x {:>9} {:>8.3}% {:>8.2} {:>10}{}",
                     row.workload,
                     row.threads,
                     row.config,
@@ -809,6 +840,11 @@ fn micro(
                     row.vs_swap.map_or("-".into(), |v| format!("{v:.2}x")),
                     row.slow_fraction_median * 100.0,
                     row.fill_median_seconds,
+                    if row.slow_p50_median_us > 0.0 {
+                        format!("{:.0}", row.slow_p50_median_us)
+                    } else {
+                        "-".into()
+                    },
                     if failed > 0 {
                         format!("  ({failed} of {} runs killed)", a.reps)
                     } else {
@@ -820,8 +856,11 @@ fn micro(
         }
     }
     println!(
-        "(miss: accesses served from tier 1 or swap, i.e. slower than 20 µs; sampled 1 in 64)"
+        "(miss: accesses served from tier 1 or swap, i.e. slower than 20 µs; sampled 1 in 64; miss µs: their p50 as the program waits for them)"
     );
+    if a.faults.contains(&memtide_engine::Delivery::Signal) {
+        println!("(sig: memtide with faults delivered as SIGBUS in the faulting thread, --faults signal; the others use handler threads)");
+    }
     // One plot per workload: throughput against all-DRAM per budget, per family and threads.
     for w in &a.workloads {
         let mut series = Vec::new();

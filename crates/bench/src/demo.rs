@@ -56,6 +56,7 @@ pub enum Placement<'a> {
         dram: u64,
         tier: &'a Path,
         preload: &'a Path,
+        faults: memtide_engine::Delivery,
     },
     /// In a memory cgroup limited to `limit` (Linux swap does the tiering): the pid is written
     /// to `procs` before the workload starts.
@@ -71,6 +72,7 @@ impl Placement<'_> {
                 dram,
                 tier,
                 preload,
+                faults,
             } => TierEnv {
                 preload,
                 dram: *dram,
@@ -79,6 +81,7 @@ impl Placement<'_> {
                 min_bytes: 128 << 10,
                 stats_dir,
                 stats_interval_ms: 500,
+                faults: *faults,
             }
             .apply(cmd),
             Placement::Cgroup { procs } => {
@@ -243,6 +246,7 @@ pub fn demo(a: DemoArgs) -> Result<ExitCode> {
             dram: a.dram,
             tier: &a.tier,
             preload: &preload,
+            faults: memtide_engine::Delivery::Threads,
         },
     )?;
     eprintln!("memtide: {:.0} k accesses/s", mt.result.throughput / 1e3);

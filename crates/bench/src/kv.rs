@@ -560,9 +560,8 @@ pub fn run(
         let dram_p99 = med(skew, "all-DRAM", &|r| r.p99_us);
         for (c, budget, _, _) in configs {
             let ops = med(skew, c, &|r| r.ops_per_sec);
-            let vs_swap = c
-                .strip_prefix("memtide ")
-                .map(|pct| ops / med(skew, &format!("Linux swap {pct}"), &|r| r.ops_per_sec))
+            let vs_swap = crate::bench::swap_peer(c, *budget)
+                .map(|swap| ops / med(skew, &swap, &|r| r.ops_per_sec))
                 .filter(|v| v.is_finite());
             let row = Row {
                 server: server.name().into(),

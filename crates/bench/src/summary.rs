@@ -34,7 +34,7 @@ impl Collected {
                 continue;
             };
             let best = self.at_peak.entry(s.pid).or_insert_with(|| s.clone());
-            if s.managed_bytes > best.managed_bytes {
+            if held(&s) > held(best) {
                 *best = s.clone();
             }
             self.latest.insert(s.pid, s);
@@ -58,23 +58,33 @@ pub fn collect(dir: &Path) -> Collected {
     c
 }
 
-/// Share of the program's memory that memtide manages, judged at peak: managed bytes over
-/// managed bytes plus resident memory memtide does not manage.
+/// Share of the program's memory that memtide manages, judged at peak: the program's bytes
+/// memtide holds (managed pages in DRAM and tier 1; reserved address space holding nothing
+/// does not count) over those plus resident memory memtide does not manage.
 pub fn coverage(peak: &Snapshot) -> f64 {
+    let held = held(peak);
     let unmanaged = peak.process_rss_bytes.saturating_sub(peak.dram_bytes);
-    let whole = peak.managed_bytes + unmanaged;
+    let whole = held + unmanaged;
     if whole == 0 {
         0.0
     } else {
-        peak.managed_bytes as f64 / whole as f64
+        held as f64 / whole as f64
     }
+}
+
+/// The program's bytes memtide holds: managed pages in DRAM or tier 1 (a clean page is in
+/// both; the allocated pages bound it).
+pub fn held(s: &Snapshot) -> u64 {
+    (s.dram_bytes + s.tier_bytes).min(s.managed_bytes)
 }
 
 /// Prints the summary of a run to stderr.
 pub fn print(program: &str, status: &str, c: &Collected) {
     let Some((s, peak)) = c.main() else {
+        let why =
+            unmanageable(program).unwrap_or("no allocation reached the size threshold".into());
         eprintln!(
-            "memtide: {program} {status}; it allocated no managed memory (no allocation reached the size threshold), so nothing was tiered"
+            "memtide: {program} {status}; it allocated no managed memory ({why}), so nothing was tiered"
         );
         return;
     };
@@ -92,13 +102,17 @@ pub fn print(program: &str, status: &str, c: &Collected) {
     );
     let cov = coverage(peak);
     eprintln!(
-        "  managed  peak {} — {:.0}% of the program's memory{}",
+        "  managed  {} held at peak ({} of address space) — {:.0}% of the program's memory{}",
+        bytes(held(peak)),
         bytes(s.peak_managed_bytes),
         cov * 100.0,
         if cov < 0.5 {
-            " (little: most of this program's memory is in allocations below the threshold or in mappings memtide does not manage)"
+            match unmanageable(program) {
+                Some(why) => format!(" (little: {why})"),
+                None => " (little: most of this program's memory is in allocations below the threshold or in mappings memtide does not manage)".into(),
+            }
         } else {
-            ""
+            String::new()
         }
     );
     eprintln!(
@@ -132,8 +146,20 @@ pub fn print(program: &str, status: &str, c: &Collected) {
         s.faults_zero, s.faults_tier, s.faults_inactive, s.faults_wait
     );
     eprintln!(
-        "  moves    {} promotions ({} read ahead), {} demotions ({} clean, {} zero: no write)",
-        s.promotions, s.readahead_pages, s.demotions, s.demotions_clean, s.demotions_zero
+        "  moves    {} promotions ({} read ahead), {} demotions ({} clean, {} zero: no write){}",
+        s.promotions,
+        s.readahead_pages,
+        s.demotions,
+        s.demotions_clean,
+        s.demotions_zero,
+        if s.discarded_bytes > 0 {
+            format!(
+                "; {} the program discarded, dropped without a write",
+                bytes(s.discarded_bytes)
+            )
+        } else {
+            String::new()
+        }
     );
     eprintln!(
         "  active   {} at last epoch ({}), {} epochs; evictor CPU {:.2} s, scan CPU {:.2} s",
@@ -159,4 +185,56 @@ pub fn print(program: &str, status: &str, c: &Collected) {
             s.pid
         );
     }
+}
+
+/// Why memtide cannot manage a program's memory, when its executable says so: a statically
+/// linked program cannot load the preload library, and the Go runtime maps its memory with
+/// raw system calls. `None` when neither is known to apply.
+pub fn unmanageable(program: &str) -> Option<String> {
+    let path = find_program(program)?;
+    let bytes = std::fs::read(&path).ok()?;
+    if bytes.windows(GO_BUILDINFO.len()).any(|w| w == GO_BUILDINFO) {
+        return Some(
+            "it is a Go program: the Go runtime maps its memory with raw system calls, which memtide cannot interpose"
+                .into(),
+        );
+    }
+    if !has_interpreter(&bytes)? {
+        return Some(
+            "it is statically linked: memtide's preload library cannot load into it".into(),
+        );
+    }
+    None
+}
+
+/// The header of the build information every Go binary since Go 1.18 carries.
+const GO_BUILDINFO: &[u8] = b"\xff Go buildinf:";
+
+fn find_program(program: &str) -> Option<std::path::PathBuf> {
+    if program.contains('/') {
+        return Some(program.into());
+    }
+    std::env::split_paths(&std::env::var_os("PATH")?)
+        .map(|d| d.join(program))
+        .find(|p| p.is_file())
+}
+
+/// Whether a 64-bit ELF executable names a program interpreter (is dynamically linked);
+/// `None` if it is not one.
+fn has_interpreter(elf: &[u8]) -> Option<bool> {
+    const PT_INTERP: u32 = 3;
+    if elf.len() < 64 || &elf[..4] != b"\x7fELF" || elf[4] != 2 {
+        return None;
+    }
+    let u16_at = |o: usize| Some(u16::from_le_bytes(elf.get(o..o + 2)?.try_into().ok()?));
+    let phoff = u64::from_le_bytes(elf.get(0x20..0x28)?.try_into().ok()?) as usize;
+    let phentsize = u16_at(0x36)? as usize;
+    let phnum = u16_at(0x38)? as usize;
+    let mut found = false;
+    for k in 0..phnum {
+        let at = phoff + k * phentsize;
+        let kind = u32::from_le_bytes(elf.get(at..at + 4)?.try_into().ok()?);
+        found |= kind == PT_INTERP;
+    }
+    Some(found)
 }

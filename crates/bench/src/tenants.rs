@@ -92,6 +92,7 @@ fn run_together(
                 dram: *d,
                 tier: host.tier,
                 preload: host.preload,
+                faults: memtide_engine::Delivery::Threads,
             },
             (Family::Swap, Some(_), Some(p)) => Placement::Cgroup { procs: p },
             _ => Placement::Dram,

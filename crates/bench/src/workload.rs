@@ -109,6 +109,12 @@ pub struct WorkloadResult {
     pub p50_us: f64,
     #[serde(default)]
     pub p99_us: f64,
+    /// Latency of the sampled slow accesses (tier-1 or swap faults, as the program waits for
+    /// them), in µs (p50 and p99; 0 when none was slow).
+    #[serde(default)]
+    pub slow_p50_us: f64,
+    #[serde(default)]
+    pub slow_p99_us: f64,
     pub verified_pages: u64,
     pub mismatches: u64,
 }
@@ -208,13 +214,14 @@ pub fn main(a: WorkloadArgs) -> Result<ExitCode> {
     let measured = AtomicU64::new(0);
     let measuring = AtomicBool::new(false);
     let latency = LatencyHistogram::default();
+    let slow_latency = LatencyHistogram::default();
     let run_time = std::sync::Mutex::new(0.0f64);
     let t1 = Instant::now();
     std::thread::scope(|s| {
         for t in 0..a.threads {
             let (stop, accesses, sampled, slow, mismatches, shadow) =
                 (&stop, &accesses, &sampled, &slow, &mismatches, &shadow);
-            let (measuring, latency) = (&measuring, &latency);
+            let (measuring, latency, slow_latency) = (&measuring, &latency, &slow_latency);
             let a = &a;
             s.spawn(move || {
                 let mut rng = Rng(a.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (t as u64 + 1) | 1);
@@ -271,6 +278,9 @@ pub fn main(a: WorkloadArgs) -> Result<ExitCode> {
                             }
                             if measuring.load(Ordering::Relaxed) {
                                 latency.record(ns);
+                                if ns > SLOW_NS {
+                                    slow_latency.record(ns);
+                                }
                             }
                         }
                         n += 1;
@@ -338,6 +348,8 @@ pub fn main(a: WorkloadArgs) -> Result<ExitCode> {
             / sampled.load(Ordering::Relaxed).max(1) as f64,
         p50_us: latency.quantile_us(0.50),
         p99_us: latency.quantile_us(0.99),
+        slow_p50_us: slow_latency.quantile_us(0.50),
+        slow_p99_us: slow_latency.quantile_us(0.99),
         verified_pages: pages as u64,
         mismatches: mismatches.load(Ordering::Relaxed),
     };

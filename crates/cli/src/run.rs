@@ -37,6 +37,13 @@ pub struct RunArgs {
     /// How often to refresh --stats (e.g. 1s, 500ms).
     #[arg(long, value_parser = opts::seconds, default_value = "1s")]
     pub stats_interval: f64,
+    /// How faults in managed memory are served: `threads` (handler threads, one per CPU;
+    /// system calls, io_uring and other kernel accesses to managed memory wait for the page)
+    /// or `signal` (in the faulting thread, from SIGBUS: no handler threads, but a kernel
+    /// access to an evicted page fails unless memtide wrapped the call). See README, "How it
+    /// works".
+    #[arg(long, value_parser = opts::delivery, default_value = "threads")]
+    pub faults: memtide_engine::Delivery,
     /// Print no summary at exit.
     #[arg(long, short)]
     pub quiet: bool,
@@ -114,6 +121,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         min_bytes: a.min_bytes,
         stats_dir: &stats_dir.0,
         stats_interval_ms: interval_ms,
+        faults: a.faults,
     }
     .apply(&mut cmd);
     // If memtide itself is killed, the program is told to stop (as by a hang-up) rather than

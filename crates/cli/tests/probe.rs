@@ -32,6 +32,20 @@ fn fio_iops(file: &str, depth: u32) -> f64 {
 #[test]
 fn agrees_with_fio_on_the_same_file() {
     require("fio");
+    // This machine's virtual disk has moments of drift that fio's before-and-after bracket
+    // does not always catch (CI once saw the probe at 56 K IOPS at QD32 between fio's 81 K
+    // and 79 K, and agreeing when run again): a disagreement is measured once more, from
+    // scratch, and only a second one fails.
+    if let Err(first) = agreement() {
+        eprintln!("first attempt disagreed ({first}); measuring again");
+        if let Err(second) = agreement() {
+            panic!("{second} (first attempt: {first})");
+        }
+    }
+}
+
+/// One bracketed comparison: fio, the probe, fio again; the probe's figures checked.
+fn agreement() -> Result<(), String> {
     let s = Scratch::new("probe");
     let json = s.path().join("probe.json");
     // fio's "before" figures: on a file of the same size that fio lays out itself in the same
@@ -82,11 +96,13 @@ fn agrees_with_fio_on_the_same_file() {
     {
         let lo = fio_before[i].min(fio_after[i]);
         let hi = fio_before[i].max(fio_after[i]);
-        assert!(
-            ours >= 0.75 * lo && ours <= 1.25 * hi,
-            "{what}: memtide probe {ours:.0} IOPS vs fio {lo:.0}..{hi:.0} IOPS (before and after)"
-        );
+        if !(ours >= 0.75 * lo && ours <= 1.25 * hi) {
+            return Err(format!(
+                "{what}: memtide probe {ours:.0} IOPS vs fio {lo:.0}..{hi:.0} IOPS (before and after)"
+            ));
+        }
     }
+    Ok(())
 }
 
 #[test]

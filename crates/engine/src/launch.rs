@@ -11,6 +11,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicI32, Ordering};
 
+use crate::uffd::Delivery;
+
 /// The settings the preload library reads, as environment variables.
 pub struct TierEnv<'a> {
     pub preload: &'a Path,
@@ -20,6 +22,7 @@ pub struct TierEnv<'a> {
     pub min_bytes: u64,
     pub stats_dir: &'a Path,
     pub stats_interval_ms: u64,
+    pub faults: Delivery,
 }
 
 impl TierEnv<'_> {
@@ -37,6 +40,13 @@ impl TierEnv<'_> {
             .env(
                 "MEMTIDE_STATS_INTERVAL_MS",
                 self.stats_interval_ms.to_string(),
+            )
+            .env(
+                "MEMTIDE_FAULTS",
+                match self.faults {
+                    Delivery::Threads => "threads",
+                    Delivery::Signal => "signal",
+                },
             );
         if let Some(t) = self.tier_size {
             cmd.env("MEMTIDE_TIER_SIZE", t.to_string());

@@ -1,6 +1,6 @@
-//! memtide's mechanism: managed memory in a userfaultfd-registered arena, faults served in the
-//! faulting thread, eviction to a tier-1 file that never loses a write. All `unsafe` in memtide
-//! lives in this crate. Entry point: [`Engine::start`].
+//! memtide's mechanism: managed memory in a userfaultfd-registered arena, faults served by
+//! per-CPU handler threads (or in the faulting thread, from SIGBUS), eviction to a tier-1 file
+//! that never loses a write. All `unsafe` in memtide lives in this crate. Entry point: [`Engine::start`].
 
 mod arena;
 mod engine;
@@ -11,6 +11,7 @@ pub mod signal;
 pub mod size;
 pub mod stats;
 pub mod sys;
+pub mod threads;
 pub mod tier;
 pub mod uffd;
 
@@ -18,4 +19,4 @@ pub use engine::{process_rss_bytes, Config, Engine, MemError, PageInfo, Pinned, 
 pub use signal::Fault;
 pub use stats::Snapshot;
 pub use tier::TierOpenError;
-pub use uffd::OpenError;
+pub use uffd::{Delivery, OpenError};

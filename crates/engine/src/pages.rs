@@ -37,6 +37,10 @@ pub enum State {
     Evicted = 5,
     /// A thread is moving it; wait.
     Busy = 6,
+    /// The program mapped something of its own over it with `MAP_FIXED` (a file, shared
+    /// memory): not managed, not registered with userfaultfd, until the program unmaps it or
+    /// maps anonymous memory there again and the arena takes it back.
+    Lent = 7,
 }
 
 const STATE_MASK: u32 = 0xF;
@@ -69,6 +73,7 @@ impl Word {
             3 => State::Staged,
             4 => State::Writing,
             5 => State::Evicted,
+            7 => State::Lent,
             _ => State::Busy,
         }
     }

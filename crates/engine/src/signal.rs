@@ -3,11 +3,13 @@
 //! [`register`] (an engine makes its memory known as a [`FaultHandler`]),
 //! [`set_program_handler`].
 //!
-//! With userfaultfd's SIGBUS feature a fault on a missing managed page raises SIGBUS in the
-//! thread that touched it; resolving it there costs a few microseconds, where handing it to
-//! another thread costs a cross-CPU wake-up (MEASUREMENTS.md). Faults outside managed memory
-//! go to whatever handler the program installed (its `sigaction` calls for SIGBUS are
-//! redirected here by the preload library), or get the default action.
+//! Used when faults are delivered as SIGBUS (`Delivery::Signal`; the default is handler
+//! threads, see `engine/handlers.rs`). With userfaultfd's SIGBUS feature a fault on a missing
+//! managed page raises SIGBUS in the thread that touched it, which resolves it there without a
+//! context switch; but a fault the kernel takes on the program's behalf fails with EFAULT.
+//! Faults outside managed memory go to whatever handler the program installed (its
+//! `sigaction` calls for SIGBUS are redirected here by the preload library), or get the
+//! default action.
 
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicUsize, Ordering};
@@ -16,8 +18,12 @@ use std::sync::Once;
 /// What the fault path did with an address.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fault {
-    /// Resolved: return and retry the access.
+    /// Resolved: the page was mapped by this call (which woke anyone waiting on it); retry the
+    /// access.
     Handled,
+    /// The page was already there (another thread mapped it meanwhile): retry the access
+    /// (threads waiting on it must be woken by whoever served the fault).
+    Raced,
     /// Not managed memory (or memory the program freed): the program's own fault.
     NotManaged,
 }
@@ -165,7 +171,7 @@ extern "C" fn on_sigbus(sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::c_
     // SAFETY: errno is thread-local and always valid; the kernel passes a valid siginfo.
     let (errno, addr) = unsafe { (*libc::__errno_location(), (*info).si_addr() as usize) };
     if let Some(e) = handler_for(addr) {
-        if e.handle_fault(addr) == Fault::Handled {
+        if e.handle_fault(addr) != Fault::NotManaged {
             // SAFETY: restoring the interrupted code's errno.
             unsafe { *libc::__errno_location() = errno };
             return;

@@ -129,8 +129,12 @@ pub struct Counters {
     pub evict_cpu_ns: AtomicU64,
     pub peak_resident_pages: AtomicU64,
     pub active_pages: AtomicU64,
-    /// Pages of memory currently allocated to the program in managed regions.
+    /// Pages of memory currently allocated to the program in managed regions (reservations
+    /// not yet committed included).
     pub managed_pages: AtomicU64,
+    /// Pages holding data the program discarded (`madvise(MADV_DONTNEED)`, a guest's free
+    /// page reports through QEMU): dropped from DRAM or tier 1 without a write.
+    pub discarded_pages: AtomicU64,
     pub peak_managed_pages: AtomicU64,
     pub tier_read_latency: LatencyHistogram,
     pub fault_tier_latency: LatencyHistogram,
@@ -165,6 +169,11 @@ pub struct Snapshot {
     pub peak_managed_bytes: u64,
     pub active_bytes: u64,
     pub process_rss_bytes: u64,
+    /// The process's peak resident size so far (VmHWM).
+    #[serde(default)]
+    pub process_peak_rss_bytes: u64,
+    #[serde(default)]
+    pub discarded_bytes: u64,
     pub faults_zero: u64,
     pub faults_tier: u64,
     pub faults_inactive: u64,
@@ -192,18 +201,23 @@ pub struct Snapshot {
     pub scan_cpu_seconds: f64,
     pub evict_cpu_seconds: f64,
     pub tier: String,
+    /// How faults were delivered: `threads` or `signal`.
+    #[serde(default)]
+    pub faults: String,
     pub warnings: Vec<String>,
 }
 
 impl Snapshot {
-    /// Managed memory as a fraction of the process's resident size plus its tier-1 bytes:
-    /// how much of the program memtide actually tiers.
+    /// The program's bytes memtide holds — managed pages in DRAM and in tier 1 — as a
+    /// fraction of the process's resident size plus its tier-1 bytes: how much of the program
+    /// memtide actually tiers. (Reserved address space that holds nothing does not count.)
     pub fn coverage(&self) -> f64 {
         let whole = self.process_rss_bytes + self.tier_bytes;
         if whole == 0 {
             return 0.0;
         }
-        (self.peak_managed_bytes.min(whole)) as f64 / whole as f64
+        let held = (self.dram_bytes + self.tier_bytes).min(self.managed_bytes);
+        held.min(whole) as f64 / whole as f64
     }
 }
 

@@ -1,6 +1,6 @@
-//! Minimal userfaultfd bindings: open, API handshake, register, COPY, MOVE, and the one move
-//! primitive the engine uses, [`Uffd::move_verified`], which says what moved as the page
-//! tables say it.
+//! Minimal userfaultfd bindings: open (with either way of delivering faults, [`Delivery`]),
+//! register, COPY, MOVE, WAKE, reading fault messages, and the one move primitive the engine
+//! uses, [`Uffd::move_verified`], which says what moved as the page tables say it.
 //!
 //! Own bindings rather than the `userfaultfd` crate: that crate needs libclang at build time and
 //! has no `UFFDIO_MOVE`, which is the engine's atomic unmap-for-eviction primitive. Struct sizes
@@ -17,10 +17,32 @@ const UFFD_API: u64 = 0xAA;
 const UFFDIO: u64 = 0xAA;
 
 pub const FEATURE_SIGBUS: u64 = 1 << 7;
+pub const FEATURE_THREAD_ID: u64 = 1 << 8;
 pub const FEATURE_MOVE: u64 = 1 << 16;
 
+/// `uffd_msg.event` of a page fault.
+const EVENT_PAGEFAULT: u8 = 0x12;
+
+/// How faults in registered memory reach whoever resolves them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Delivery {
+    /// Queued on the userfaultfd for handler threads to read; the faulting thread, or the
+    /// kernel on its behalf (a system call, io_uring, KVM), waits until the page is there.
+    Threads,
+    /// SIGBUS in the faulting thread, which resolves the fault itself. A fault the kernel takes
+    /// on a program's behalf fails that access with EFAULT instead.
+    Signal,
+}
+
+/// A page fault read from the userfaultfd.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PageFault {
+    pub address: usize,
+    /// The faulting thread (kernel thread id).
+    pub tid: u32,
+}
+
 const REGISTER_MODE_MISSING: u64 = 1;
-const MOVE_MODE_DONTWAKE: u64 = 1;
 const PAGE: usize = 4096;
 
 #[repr(C)]
@@ -56,6 +78,20 @@ struct UffdioCopy {
     copy: i64,
 }
 
+/// `struct uffd_msg` (packed, 32 bytes), as a page fault message lays it out.
+#[repr(C, packed)]
+#[derive(Clone, Copy, Default)]
+struct UffdMsg {
+    event: u8,
+    reserved1: u8,
+    reserved2: u16,
+    reserved3: u32,
+    flags: u64,
+    address: u64,
+    ptid: u32,
+    pad: u32,
+}
+
 #[repr(C)]
 #[derive(Default)]
 struct UffdioMove {
@@ -71,6 +107,7 @@ const _: () = assert!(std::mem::size_of::<UffdioRange>() == 16);
 const _: () = assert!(std::mem::size_of::<UffdioRegister>() == 32);
 const _: () = assert!(std::mem::size_of::<UffdioCopy>() == 40);
 const _: () = assert!(std::mem::size_of::<UffdioMove>() == 40);
+const _: () = assert!(std::mem::size_of::<UffdMsg>() == 32);
 
 const fn iowr(nr: u64, size: usize) -> u64 {
     (3 << 30) | ((size as u64) << 16) | (UFFDIO << 8) | nr
@@ -83,6 +120,7 @@ const fn ior(nr: u64, size: usize) -> u64 {
 const UFFDIO_API: u64 = iowr(0x3F, std::mem::size_of::<UffdioApi>());
 const UFFDIO_REGISTER: u64 = iowr(0x00, std::mem::size_of::<UffdioRegister>());
 const UFFDIO_UNREGISTER: u64 = ior(0x01, std::mem::size_of::<UffdioRange>());
+const UFFDIO_WAKE: u64 = ior(0x02, std::mem::size_of::<UffdioRange>());
 const UFFDIO_COPY: u64 = iowr(0x03, std::mem::size_of::<UffdioCopy>());
 const UFFDIO_MOVE: u64 = iowr(0x05, std::mem::size_of::<UffdioMove>());
 /// `_IO(0xAA, 0)` on /dev/userfaultfd.
@@ -97,7 +135,7 @@ pub enum OpenError {
     Permission,
     #[error("this kernel has no userfaultfd")]
     Unsupported,
-    #[error("userfaultfd lacks features memtide needs (SIGBUS delivery and UFFDIO_MOVE, Linux 6.8 or later)")]
+    #[error("userfaultfd lacks features memtide needs (UFFDIO_MOVE, Linux 6.8 or later)")]
     MissingFeatures,
     #[error("userfaultfd failed: {0}")]
     Other(io::Error),
@@ -106,6 +144,7 @@ pub enum OpenError {
 /// An open, initialized userfaultfd.
 pub struct Uffd {
     fd: OwnedFd,
+    delivery: Delivery,
     /// Fault injection for tests: every Nth move that moved pages reports one page fewer and
     /// fails with EEXIST, as 6.18's batched move can after an internal retry (0: off).
     underreport_every: AtomicU32,
@@ -135,13 +174,17 @@ pub struct MoveReport {
 }
 
 impl Uffd {
-    /// Opens a userfaultfd with the SIGBUS and MOVE features: faults in registered ranges raise
-    /// SIGBUS in the faulting thread, which resolves them itself.
-    pub fn open() -> Result<Uffd, OpenError> {
-        let fd = Self::open_fd()?;
+    /// Opens a userfaultfd with UFFDIO_MOVE and the given [`Delivery`] of faults.
+    pub fn open(delivery: Delivery) -> Result<Uffd, OpenError> {
+        let fd = Self::open_fd(delivery)?;
+        let want = FEATURE_MOVE
+            | match delivery {
+                Delivery::Signal => FEATURE_SIGBUS,
+                Delivery::Threads => FEATURE_THREAD_ID,
+            };
         let mut api = UffdioApi {
             api: UFFD_API,
-            features: FEATURE_SIGBUS | FEATURE_MOVE,
+            features: want,
             ioctls: 0,
         };
         // SAFETY: UFFDIO_API reads and writes a UffdioApi, which `api` is.
@@ -154,15 +197,68 @@ impl Uffd {
                 OpenError::Other(e)
             });
         }
-        if api.features & (FEATURE_SIGBUS | FEATURE_MOVE) != (FEATURE_SIGBUS | FEATURE_MOVE) {
+        if api.features & want != want {
             return Err(OpenError::MissingFeatures);
         }
         Ok(Uffd {
             fd,
+            delivery,
             underreport_every: AtomicU32::new(0),
             moves: AtomicU32::new(0),
             copy_eexist: AtomicU32::new(0),
         })
+    }
+
+    pub fn delivery(&self) -> Delivery {
+        self.delivery
+    }
+
+    /// Reads the page faults waiting on the userfaultfd into `out` (as many as fit) and returns
+    /// how many, waiting for one if none is there (0 if the wait was interrupted). Other events
+    /// are not asked for and are skipped. Allocates nothing.
+    pub fn read_faults(&self, out: &mut [PageFault]) -> io::Result<usize> {
+        let mut msgs = [UffdMsg::default(); 16];
+        let want = out.len().min(msgs.len());
+        // SAFETY: reading at most `want` whole messages into our array.
+        let ret = unsafe {
+            libc::read(
+                self.fd.as_raw_fd(),
+                msgs.as_mut_ptr() as *mut libc::c_void,
+                want * std::mem::size_of::<UffdMsg>(),
+            )
+        };
+        if ret < 0 {
+            let e = io::Error::last_os_error();
+            return match e.raw_os_error() {
+                Some(libc::EAGAIN) | Some(libc::EINTR) => Ok(0),
+                _ => Err(e),
+            };
+        }
+        let mut n = 0;
+        for m in &msgs[..ret as usize / std::mem::size_of::<UffdMsg>()] {
+            if m.event == EVENT_PAGEFAULT {
+                out[n] = PageFault {
+                    address: m.address as usize,
+                    tid: m.ptid,
+                };
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
+    /// Wakes the threads waiting on faults in `[start, start+len)` (to retry their access).
+    pub fn wake(&self, start: usize, len: usize) -> io::Result<()> {
+        let mut range = UffdioRange {
+            start: start as u64,
+            len: len as u64,
+        };
+        // SAFETY: UFFDIO_WAKE reads a UffdioRange.
+        let ret = unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_WAKE as _, &mut range) };
+        if ret < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
     }
 
     /// For tests: from now on every `every`th move that moves pages reports one page fewer
@@ -178,8 +274,13 @@ impl Uffd {
         self.copy_eexist.store(n, Ordering::Relaxed);
     }
 
-    fn open_fd() -> Result<OwnedFd, OpenError> {
-        let flags = libc::O_CLOEXEC | libc::O_NONBLOCK;
+    fn open_fd(delivery: Delivery) -> Result<OwnedFd, OpenError> {
+        // Handler threads block in read(2); nothing reads a SIGBUS-mode userfaultfd.
+        let flags = libc::O_CLOEXEC
+            | match delivery {
+                Delivery::Threads => 0,
+                Delivery::Signal => libc::O_NONBLOCK,
+            };
         // SAFETY: plain system call; returns a new fd or -1.
         let ret = unsafe { libc::syscall(libc::SYS_userfaultfd, flags) };
         if ret >= 0 {
@@ -305,7 +406,9 @@ impl Uffd {
                 dst: (dst + done) as u64,
                 src: (src + done) as u64,
                 len: (len - done) as u64,
-                mode: MOVE_MODE_DONTWAKE,
+                // Wakes threads waiting on faults in the destination (a page moved back for
+                // a fault queued to a handler thread); moves into staging have none.
+                mode: 0,
                 moved: 0,
             };
             // SAFETY: UFFDIO_MOVE reads and writes a UffdioMove; the ranges are the caller's.

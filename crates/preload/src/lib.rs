@@ -6,23 +6,24 @@
 //! `overrides.rs`; this file holds the start-up, the settings and the stats writer.
 //!
 //! Rust code here allocates through glibc's internal entry points (`__libc_malloc`), never
-//! through the `malloc` symbol this library overrides, so the library never re-enters itself.
+//! through the `malloc` symbol this library overrides, so the library never re-enters itself;
+//! so does everything the engine's own threads call (see `memtide_engine::threads`).
 
 mod next;
 mod overrides;
 
 use std::alloc::{GlobalAlloc, Layout};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicPtr, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, AtomicUsize, Ordering};
 
-use memtide_engine::{size, Config, Engine};
+use memtide_engine::{size, Config, Delivery, Engine};
 
 extern "C" {
-    fn __libc_malloc(size: usize) -> *mut libc::c_void;
-    fn __libc_calloc(n: usize, size: usize) -> *mut libc::c_void;
-    fn __libc_realloc(p: *mut libc::c_void, size: usize) -> *mut libc::c_void;
-    fn __libc_free(p: *mut libc::c_void);
-    fn __libc_memalign(align: usize, size: usize) -> *mut libc::c_void;
+    pub(crate) fn __libc_malloc(size: usize) -> *mut libc::c_void;
+    pub(crate) fn __libc_calloc(n: usize, size: usize) -> *mut libc::c_void;
+    pub(crate) fn __libc_realloc(p: *mut libc::c_void, size: usize) -> *mut libc::c_void;
+    pub(crate) fn __libc_free(p: *mut libc::c_void);
+    pub(crate) fn __libc_memalign(align: usize, size: usize) -> *mut libc::c_void;
 }
 
 /// The Rust side of this library allocates straight from glibc.
@@ -88,6 +89,7 @@ struct Settings {
     arena: u64,
     stats_dir: Option<PathBuf>,
     stats_interval_ms: u64,
+    faults: Delivery,
 }
 
 const OFF: u8 = 0;
@@ -105,6 +107,15 @@ static SETTINGS: AtomicPtr<Settings> = AtomicPtr::new(std::ptr::null_mut());
 static THRESHOLD: AtomicUsize = AtomicUsize::new(usize::MAX);
 /// Most bytes of managed memory one system call may pin at once.
 static IO_CHUNK: AtomicUsize = AtomicUsize::new(8 << 20);
+/// Faults are delivered as SIGBUS (`MEMTIDE_FAULTS=signal`): SIGBUS must reach memtide's
+/// handler first, and memory a system call touches must be pinned around the call.
+static SIGNAL_FAULTS: AtomicBool = AtomicBool::new(false);
+
+/// Whether faults are delivered as SIGBUS in this process (known from the settings, before
+/// the engine starts).
+fn signal_faults() -> bool {
+    SIGNAL_FAULTS.load(Ordering::Relaxed)
+}
 
 /// The engine, if it is running in this process.
 fn engine() -> Option<&'static Engine> {
@@ -130,6 +141,7 @@ fn engine_or_start() -> Option<&'static Engine> {
     let mut cfg = Config::new(s.dram, s.tier.clone());
     cfg.tier_bytes = s.tier_size;
     cfg.arena_bytes = s.arena;
+    cfg.faults = s.faults;
     match Engine::start(&cfg) {
         Ok(e) => {
             ENGINE.store(e as *const Engine as *mut Engine, Ordering::Release);
@@ -173,6 +185,15 @@ fn load_settings() {
         ((dram / 4).clamp(64 << 10, 8 << 20)) as usize,
         Ordering::Release,
     );
+    let faults = match std::env::var("MEMTIDE_FAULTS").as_deref() {
+        Ok("signal") => Delivery::Signal,
+        Ok("threads") | Err(_) => Delivery::Threads,
+        Ok(other) => {
+            eprintln!("memtide: MEMTIDE_FAULTS={other}: expected threads or signal; using threads");
+            Delivery::Threads
+        }
+    };
+    SIGNAL_FAULTS.store(faults == Delivery::Signal, Ordering::Release);
     let settings = Box::new(Settings {
         dram,
         tier: PathBuf::from(tier),
@@ -183,6 +204,7 @@ fn load_settings() {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(1000),
+        faults,
     });
     SETTINGS.store(Box::into_raw(settings), Ordering::Release);
     STATE.store(IDLE, Ordering::Release);
@@ -200,15 +222,10 @@ fn write_stats(e: &Engine, dir: &std::path::Path) {
 }
 
 fn start_stats_thread(e: &'static Engine, dir: PathBuf, interval_ms: u64) {
-    let _ = std::thread::Builder::new()
-        .name("memtide-stats".into())
-        .spawn(move || loop {
-            std::thread::sleep(std::time::Duration::from_millis(interval_ms.max(50)));
-            if e.in_child() {
-                return;
-            }
-            write_stats(e, &dir);
-        });
+    let _ = memtide_engine::threads::spawn("memtide-stats", move || loop {
+        std::thread::sleep(std::time::Duration::from_millis(interval_ms.max(50)));
+        write_stats(e, &dir);
+    });
 }
 
 extern "C" fn at_exit() {

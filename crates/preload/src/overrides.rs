@@ -13,7 +13,7 @@ use libc::{c_char, c_int, c_void, iovec, msghdr, off_t, size_t, sockaddr, sockle
 use memtide_engine::{signal, Engine, MemError};
 
 use crate::next::{self, next};
-use crate::{engine, engine_or_start, IO_CHUNK, THRESHOLD};
+use crate::{engine, engine_or_start, signal_faults, IO_CHUNK, THRESHOLD};
 
 const PAGE: usize = 4096;
 
@@ -73,8 +73,18 @@ fn managed_alloc(n: usize, align: usize) -> Option<*mut c_void> {
 
 // ----- the malloc family -----
 
+/// The engine's own threads allocate from glibc, never from the program's allocator nor from
+/// managed memory (see `memtide_engine::threads`).
+fn engine_thread() -> bool {
+    memtide_engine::threads::is_engine_thread()
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn malloc(n: size_t) -> *mut c_void {
+    if engine_thread() {
+        // SAFETY: glibc's allocator.
+        return unsafe { crate::__libc_malloc(n) };
+    }
     if let Some(p) = managed_alloc(n, PAGE) {
         return p;
     }
@@ -89,6 +99,10 @@ pub unsafe extern "C" fn malloc(n: size_t) -> *mut c_void {
 pub unsafe extern "C" fn free(p: *mut c_void) {
     if p.is_null() {
         return;
+    }
+    if engine_thread() {
+        // SAFETY: an engine thread frees only what it allocated, from glibc.
+        return unsafe { crate::__libc_free(p) };
     }
     if let Some(e) = managed(p) {
         if let Some(len) = e.malloc_len(p as usize) {
@@ -112,6 +126,10 @@ pub unsafe extern "C" fn calloc(n: size_t, size: size_t) -> *mut c_void {
         set_errno(libc::ENOMEM);
         return std::ptr::null_mut();
     };
+    if engine_thread() {
+        // SAFETY: glibc's allocator.
+        return unsafe { crate::__libc_calloc(n, size) };
+    }
     // Managed memory reads as zeros already.
     if let Some(p) = managed_alloc(total, PAGE) {
         return p;
@@ -126,6 +144,10 @@ pub unsafe extern "C" fn calloc(n: size_t, size: size_t) -> *mut c_void {
 
 #[no_mangle]
 pub unsafe extern "C" fn realloc(p: *mut c_void, n: size_t) -> *mut c_void {
+    if engine_thread() {
+        // SAFETY: glibc's allocator, which allocated p.
+        return unsafe { crate::__libc_realloc(p, n) };
+    }
     if p.is_null() {
         // SAFETY: as malloc.
         return unsafe { malloc(n) };
@@ -205,6 +227,10 @@ pub unsafe extern "C" fn reallocarray(p: *mut c_void, n: size_t, size: size_t) -
 }
 
 fn aligned(align: usize, n: usize) -> *mut c_void {
+    if engine_thread() {
+        // SAFETY: glibc's allocator.
+        return unsafe { crate::__libc_memalign(align.max(16), n) };
+    }
     if let Some(p) = managed_alloc(n, align) {
         return p;
     }
@@ -299,25 +325,42 @@ pub unsafe extern "C" fn mmap(
     off: off_t,
 ) -> *mut c_void {
     let fixed = flags & (libc::MAP_FIXED | libc::MAP_FIXED_NOREPLACE) != 0;
-    let anon_private = flags & libc::MAP_ANONYMOUS != 0 && flags & libc::MAP_PRIVATE != 0;
-    let plain = anon_private
-        && prot == libc::PROT_READ | libc::PROT_WRITE
+    let anon_private = flags & libc::MAP_ANONYMOUS != 0
+        && flags & libc::MAP_PRIVATE != 0
         && flags & (libc::MAP_STACK | libc::MAP_GROWSDOWN | libc::MAP_HUGETLB) == 0;
     if fixed {
         if let Some(e) = managed(addr) {
-            // A fresh private anonymous mapping over managed memory is a discard; anything
-            // else cannot live inside the arena.
-            if plain && flags & libc::MAP_FIXED_NOREPLACE == 0 {
-                return match e.discard(addr as usize, len) {
-                    Ok(()) => addr,
-                    Err(err) => fail(mem_errno(err), libc::MAP_FAILED),
-                };
+            if flags & libc::MAP_FIXED_NOREPLACE != 0 {
+                // The range is mapped (it is the arena's), as the kernel would say.
+                return fail(libc::EEXIST, libc::MAP_FAILED);
             }
-            return fail(libc::EINVAL, libc::MAP_FAILED);
+            // Fresh private anonymous memory over memory the program reserved or had: the
+            // commit (or decommit) of reserve-then-commit runtimes; it stays managed.
+            // Anything else (a file, shared memory) is the program's own mapping there.
+            let res = if anon_private {
+                e.commit(addr as usize, len, prot)
+            } else {
+                e.lend(addr as usize, len, || {
+                    // SAFETY: the program's own MAP_FIXED request over memory it owns.
+                    unsafe {
+                        memtide_engine::sys::mmap(addr as usize, len, prot, flags, fd, off)
+                            .map(drop)
+                    }
+                })
+            };
+            return match res {
+                Ok(()) => addr,
+                Err(err) => fail(err.raw_os_error().unwrap_or(libc::EINVAL), libc::MAP_FAILED),
+            };
         }
-    } else if plain && len >= threshold() {
-        if let Some(p) = engine_or_start().and_then(|e| e.alloc(len, PAGE).ok()) {
-            return p as *mut c_void;
+    } else if anon_private && len >= threshold() {
+        // Read-write memory, or a reservation (PROT_NONE) a runtime commits piece by piece
+        // later with MAP_FIXED or mprotect: QEMU's guest RAM, a JVM's heap.
+        let reserve = prot == libc::PROT_NONE;
+        if reserve || prot == libc::PROT_READ | libc::PROT_WRITE {
+            if let Some(p) = engine_or_start().and_then(|e| reserved(e, len, reserve)) {
+                return p as *mut c_void;
+            }
         }
     }
     // SAFETY: the program's own mmap request, passed through.
@@ -325,6 +368,16 @@ pub unsafe extern "C" fn mmap(
         Ok(p) => p as *mut c_void,
         Err(e) => fail(e.raw_os_error().unwrap_or(libc::EINVAL), libc::MAP_FAILED),
     }
+}
+
+/// Managed memory for an anonymous mapping: read-write, or `PROT_NONE` when `reserve`.
+fn reserved(e: &Engine, len: usize, reserve: bool) -> Option<usize> {
+    let p = e.alloc(len, PAGE).ok()?;
+    if reserve && e.protect(p, len, libc::PROT_NONE).is_err() {
+        let _ = e.release(p, len);
+        return None;
+    }
+    Some(p)
 }
 
 #[no_mangle]
@@ -460,7 +513,7 @@ pub unsafe extern "C" fn sigaction(
     act: *const libc::sigaction,
     old: *mut libc::sigaction,
 ) -> c_int {
-    if sig == libc::SIGBUS && engine().is_some() {
+    if sig == libc::SIGBUS && signal_faults() && engine().is_some() {
         // SAFETY: the caller passes valid or null pointers.
         unsafe { signal::set_program_handler(act.as_ref(), old.as_mut()) };
         return 0;
@@ -475,7 +528,7 @@ pub unsafe extern "C" fn sigaction(
 
 #[no_mangle]
 pub unsafe extern "C" fn signal(sig: c_int, handler: libc::sighandler_t) -> libc::sighandler_t {
-    if sig == libc::SIGBUS && engine().is_some() {
+    if sig == libc::SIGBUS && signal_faults() && engine().is_some() {
         // SAFETY: sigaction structs are plain data.
         let mut act: libc::sigaction = unsafe { std::mem::zeroed() };
         // SAFETY: as above.
@@ -518,7 +571,7 @@ pub unsafe extern "C" fn sigprocmask(
 ) -> c_int {
     // SAFETY: plain data.
     let mut copy: libc::sigset_t = unsafe { std::mem::zeroed() };
-    let set = if how == libc::SIG_UNBLOCK {
+    let set = if how == libc::SIG_UNBLOCK || !signal_faults() {
         set
     } else {
         // SAFETY: set is valid or null.
@@ -540,7 +593,7 @@ pub unsafe extern "C" fn pthread_sigmask(
 ) -> c_int {
     // SAFETY: plain data.
     let mut copy: libc::sigset_t = unsafe { std::mem::zeroed() };
-    let set = if how == libc::SIG_UNBLOCK {
+    let set = if how == libc::SIG_UNBLOCK || !signal_faults() {
         set
     } else {
         // SAFETY: set is valid or null.
@@ -556,8 +609,10 @@ pub unsafe extern "C" fn pthread_sigmask(
 
 // ----- system calls that touch user memory from the kernel -----
 
+/// The engine, if `buf..buf+len` overlaps managed memory that a system call must have pinned
+/// (with faults delivered as SIGBUS; with handler threads the kernel waits for the page).
 fn touches_managed(buf: *const c_void, len: usize) -> Option<&'static Engine> {
-    let e = engine()?;
+    let e = engine().filter(|e| e.kernel_access_needs_pins())?;
     let a = buf as usize;
     (len > 0 && (e.contains(a) || e.contains(a.saturating_add(len - 1)))).then_some(e)
 }
@@ -747,7 +802,7 @@ pub unsafe extern "C" fn sendto(
 /// Pins the managed parts of an iovec array (all of it: vectored calls are not split) and
 /// runs `call`.
 unsafe fn pinned_iov(iov: *const iovec, cnt: c_int, call: impl FnOnce() -> ssize_t) -> ssize_t {
-    let Some(e) = engine() else {
+    let Some(e) = engine().filter(|e| e.kernel_access_needs_pins()) else {
         return call();
     };
     if iov.is_null() || cnt <= 0 {

@@ -108,7 +108,7 @@ impl Engine {
         let mut active = 0u64;
         for i in 0..hw {
             let w = self.pt.load(i);
-            if matches!(w.state(), State::Free | State::Unpopulated) {
+            if matches!(w.state(), State::Free | State::Unpopulated | State::Lent) {
                 continue;
             }
             if self.pt.age(i).is_active() {

@@ -1,10 +1,11 @@
-//! The fault path: a touch of a managed page that is not mapped, resolved in the faulting
-//! thread (from the SIGBUS handler) or before a system call uses the page. A first touch maps
+//! The fault path: a touch of a managed page that is not mapped, resolved by a handler thread
+//! (the default delivery), in the faulting thread (from the SIGBUS handler), or before a
+//! system call uses the page (`pin`). A first touch maps
 //! zeros, a touch of an inactive page moves it back from staging (a hint fault: it is hot), a
 //! touch of an evicted page reads it from tier 1. Entry point: [`Engine::handle_fault`].
 //!
-//! Signal-handler context: no locks, no allocation. It waits only on page words and on the
-//! quota, each with a timeout.
+//! Possibly signal-handler context: no locks, no allocation. It waits only on page words and on
+//! the quota, each with a timeout.
 
 use std::cell::Cell;
 use std::io;
@@ -102,8 +103,9 @@ impl SequentialRun {
 }
 
 impl Engine {
-    /// Resolves a fault at `addr`. Called from the SIGBUS handler of the faulting thread, or
-    /// directly to bring a page in before a system call uses it.
+    /// Resolves a fault at `addr`. Called by a handler thread for a queued fault, from the
+    /// SIGBUS handler of the faulting thread, or directly to bring a page in before a system
+    /// call uses it.
     pub fn handle_fault(&self, addr: usize) -> Fault {
         if !self.contains(addr) {
             return Fault::NotManaged;
@@ -113,9 +115,12 @@ impl Engine {
             let w = self.pt.load(p);
             match w.state() {
                 State::Free => return Fault::NotManaged,
+                // Lent to a mapping of the program's own after this fault was raised: the
+                // retried access finds that mapping.
+                State::Lent => return Fault::Raced,
                 State::Mapped => {
                     self.check_mapped(p, addr, w);
-                    return Fault::Handled;
+                    return Fault::Raced;
                 }
                 State::Busy | State::Writing => {
                     Counters::bump(&self.counters.faults_wait);
@@ -330,6 +335,19 @@ impl Engine {
             return;
         }
         let presence = self.pagemap.of(self.ring.addr(s)).ok();
+        if presence == Some(sys::Presence::Absent) {
+            // Neither here nor there: copying from the empty slot would fault on the staging
+            // area itself (and, on a handler thread, wait for itself).
+            fatal_with(
+                "an inactive page is neither at its address nor in its staging slot",
+                &[
+                    ("page", p as u64),
+                    ("slot", s as u64),
+                    ("word", old.0 as u64),
+                ],
+                &io::Error::from_raw_os_error(libc::EFAULT),
+            );
+        }
         if presence == Some(sys::Presence::Swapped) {
             // Linux swapped the inactive page out (reclaim or DAMON, with swap on): a read
             // swaps it back in (the page table holds a swap entry: no missing-page fault).

@@ -1,7 +1,8 @@
 //! The engine: one arena of managed memory registered with userfaultfd, its page table, and
-//! the stages of a page's life, a file each: the fault path (`fault.rs`, run in the faulting
-//! thread), eviction and write-back (`evict.rs`, the evictor thread), and the program's own
-//! memory calls (`region.rs`: free, discard, mremap, pins, fork). Small shared pieces have
+//! the stages of a page's life, a file each: the fault path (`fault.rs`, run by a handler
+//! thread per CPU (`handlers.rs`), or in the faulting thread from SIGBUS), eviction and
+//! write-back (`evict.rs`, the evictor thread), and the program's own memory calls
+//! (`region.rs`: free, discard, mremap, mprotect, pins, fork). Small shared pieces have
 //! files of their own: the staging ring (`ring.rs`), the DRAM quota (`quota.rs`) and the fatal
 //! stop (`fatal.rs`). This file holds the engine object, its start and its reports. Entry
 //! points: [`Engine::start`], [`Engine::alloc`], [`Engine::handle_fault`].
@@ -21,15 +22,19 @@
 //! - No write is lost: a page leaves the program's view only by `UFFDIO_MOVE`, which unmaps
 //!   and moves it atomically; its DRAM is released (staging zapped) only after its bytes are in
 //!   tier 1 (the write returned) or are known to equal the tier copy or to be all zero.
-//! - The fault path takes no locks and allocates nothing (it runs in a signal handler); it
-//!   waits only on page words and on the quota, each with a timeout, and the evictor, which
-//!   it waits for, never waits for a quota.
+//! - The fault path takes no locks and allocates nothing (with SIGBUS delivery it runs in a
+//!   signal handler); it waits only on page words and on the quota, each with a timeout, and
+//!   the evictor, which it waits for, never waits for a quota.
+//! - Whoever maps a page for a fault wakes the threads waiting on it (UFFDIO_COPY and
+//!   UFFDIO_MOVE wake their destination); a handler that finds the page already mapped wakes
+//!   the faulting thread itself.
 //! - The quota's `resident` counts pages holding DRAM (mapped, staged, writing, or in
 //!   flight); a faulting thread reserves quota before it claims a page.
 
 mod evict;
 mod fatal;
 mod fault;
+mod handlers;
 mod quota;
 mod region;
 mod ring;
@@ -50,7 +55,7 @@ use crate::signal::FaultHandler;
 use crate::stats::{Counters, Snapshot};
 use crate::sys::{self, Mapping};
 use crate::tier::{self, Backend, Faulty, FileTier, SlotMap, TierFaults, TierOpenError};
-use crate::uffd::{MoveReport, OpenError, Uffd};
+use crate::uffd::{Delivery, MoveReport, OpenError, Uffd};
 
 use fault::{BouncePool, SequentialRun};
 use quota::{Doorbell, Quota};
@@ -71,6 +76,9 @@ pub struct Config {
     pub arena_bytes: u64,
     /// Length of an activeness epoch.
     pub epoch_ms: u64,
+    /// How faults reach the engine: handler threads (the default: kernel accesses to managed
+    /// memory wait for the page), or SIGBUS in the faulting thread.
+    pub faults: Delivery,
     /// For tests: device faults to inject in front of the tier file.
     #[doc(hidden)]
     pub tier_faults: Option<Arc<TierFaults>>,
@@ -85,6 +93,7 @@ impl Config {
             tier_bytes: None,
             arena_bytes: 1 << 40,
             epoch_ms: 200,
+            faults: Delivery::Threads,
             tier_faults: None,
         }
     }
@@ -184,7 +193,7 @@ impl Engine {
         if cfg.dram_bytes < (ZERO_CHUNK * PAGE_SIZE) as u64 {
             return Err(StartError::QuotaTooSmall);
         }
-        let uffd = Uffd::open()?;
+        let uffd = Uffd::open(cfg.faults)?;
         let (mut tier, tier_note) = tier::best(FileTier::create(&cfg.tier_path)?);
         if let Some(faults) = &cfg.tier_faults {
             tier = Box::new(Faulty::new(tier, faults.clone()));
@@ -252,21 +261,18 @@ impl Engine {
                 cfg.tier_path.display()
             ));
         }
-        crate::signal::install().map_err(io_err("install the SIGBUS handler"))?;
         let e: &'static Engine = engine;
-        crate::signal::register(e);
-        std::thread::Builder::new()
-            .name("memtide-evict".into())
-            .spawn(move || {
-                // A dead evictor would leave faulting threads waiting for room forever: a
-                // panic here ends the process loudly instead.
-                if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| e.evictor_main()))
-                    .is_err()
-                {
-                    eprintln!("memtide: fatal: the evictor thread panicked");
-                    std::process::abort();
-                }
-            })
+        match cfg.faults {
+            Delivery::Signal => {
+                crate::signal::install().map_err(io_err("install the SIGBUS handler"))?;
+                crate::signal::register(e);
+            }
+            Delivery::Threads => {
+                e.start_handlers()
+                    .map_err(io_err("start the fault handler threads"))?;
+            }
+        }
+        crate::threads::spawn("memtide-evict", move || e.evictor_main())
             .map_err(io_err("start the evictor thread"))?;
         Ok(e)
     }
@@ -295,6 +301,13 @@ impl Engine {
     #[doc(hidden)]
     pub fn inject(&self) -> &Inject {
         &self.inject
+    }
+
+    /// Whether a kernel access to a missing managed page fails (EFAULT) instead of waiting for
+    /// it: with faults delivered by SIGBUS, memory a system call uses must be brought in and
+    /// pinned first ([`pin`](Self::pin)).
+    pub fn kernel_access_needs_pins(&self) -> bool {
+        self.uffd.delivery() == Delivery::Signal
     }
 
     /// For tests: the userfaultfd, to inject kernel misreports.
@@ -368,6 +381,8 @@ impl Engine {
             peak_managed_bytes: r(&c.peak_managed_pages) * page,
             active_bytes: r(&c.active_pages) * page,
             process_rss_bytes: process_rss_bytes(),
+            process_peak_rss_bytes: process_peak_rss_bytes(),
+            discarded_bytes: r(&c.discarded_pages) * page,
             faults_zero: r(&c.faults_zero),
             faults_tier: r(&c.faults_tier),
             faults_inactive: r(&c.faults_inactive),
@@ -394,6 +409,10 @@ impl Engine {
             scan_cpu_seconds: r(&c.scan_cpu_ns) as f64 / 1e9,
             evict_cpu_seconds: r(&c.evict_cpu_ns) as f64 / 1e9,
             tier: self.tier.describe(),
+            faults: match self.uffd.delivery() {
+                Delivery::Threads => "threads".into(),
+                Delivery::Signal => "signal".into(),
+            },
             warnings: self.warnings.lock().map(|w| w.clone()).unwrap_or_default(),
         }
     }
@@ -458,6 +477,10 @@ impl Engine {
             .map_err(|e| format!("pagemap: {e}"))?;
         for (i, &there) in present.iter().enumerate() {
             let w = self.pt.load(i);
+            if w.state() == State::Lent {
+                // The program's own mapping: present or not as the program left it.
+                continue;
+            }
             // The page table must agree with the hardware one: exactly the Mapped pages are
             // there in the arena, in DRAM or swapped out by Linux (others live in staging,
             // tier 1, or nowhere).
@@ -519,6 +542,17 @@ pub fn process_rss_bytes() -> u64 {
         .ok()
         .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
         .map_or(0, |p| p * PAGE_SIZE as u64)
+}
+
+/// The process's peak resident size (VmHWM), or 0 if unknown.
+pub fn process_peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .map_or(0, |kib| kib * 1024)
 }
 
 impl FaultHandler for Engine {

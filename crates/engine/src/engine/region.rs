@@ -135,6 +135,7 @@ impl Engine {
         let mask = sys::block_signals();
         let taken = self.take_and_drop(first, pages);
         self.unprotect(&taken);
+        let lent = self.take_back(&taken);
         for &(i, _) in &taken {
             self.pt.set_block(i, 0, false);
             self.pt.publish(i, State::Free, Some(Activeness(0)));
@@ -147,9 +148,133 @@ impl Engine {
         }
         self.counters
             .managed_pages
-            .fetch_sub(taken.len() as u64, Ordering::Relaxed);
+            .fetch_sub((taken.len() - lent) as u64, Ordering::Relaxed);
         sys::restore_signals(&mask);
         Ok(())
+    }
+
+    /// Maps fresh arena memory, registered and configured as the arena is, over the runs of
+    /// claimed pages that were lent to a mapping of the program's own (see
+    /// [`lend`](Self::lend)). Returns how many pages came back.
+    fn take_back(&self, taken: &[(usize, State)]) -> usize {
+        let mut back = 0;
+        for run in runs(taken, |_, st| st == State::Lent) {
+            let (addr, len) = (self.addr_of(taken[run.start].0), run.len() * PAGE_SIZE);
+            // SAFETY: the range is the arena's and ours (Busy); what the program had there it
+            // gave up by unmapping it or mapping anonymous memory over it.
+            let mapped = unsafe {
+                sys::mmap(
+                    addr,
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                    -1,
+                    0,
+                )
+            };
+            let configured = mapped.and_then(|_| {
+                // SAFETY: advice on our own fresh mapping, as at start.
+                unsafe { sys::madvise(addr, len, libc::MADV_NOHUGEPAGE) }?;
+                self.uffd.register(addr, len)
+            });
+            if let Err(e) = configured {
+                fatal(
+                    "taking back arena memory the program had mapped over failed",
+                    &e,
+                );
+            }
+            if self.locked {
+                let _ = sys::lock_on_fault(addr, len);
+            }
+            back += run.len();
+        }
+        back
+    }
+
+    /// A mapping of the program's own placed with `MAP_FIXED` over managed memory it owns — a
+    /// file, shared memory, a stack (`map` makes it; it must replace the whole range): the
+    /// pages' contents go, as they would natively, and the range leaves management until the
+    /// program unmaps it or maps anonymous memory over it again (then the arena takes it
+    /// back). The JVM maps its class-data archive this way into a range it reserved.
+    pub fn lend(
+        &self,
+        addr: usize,
+        len: usize,
+        map: impl FnOnce() -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
+        let einval = || std::io::Error::from_raw_os_error(libc::EINVAL);
+        let (first, pages) = self.page_range(addr, len).map_err(|_| einval())?;
+        if self.in_child() || self.is_detached() {
+            return map();
+        }
+        // Address space the program does not own (free arena space, or past the arena's end)
+        // is not its to map over.
+        if pages < len.div_ceil(PAGE_SIZE)
+            || (first..first + pages).any(|i| self.pt.load(i).state() == State::Free)
+        {
+            return Err(einval());
+        }
+        let mask = sys::block_signals();
+        let taken = self.take_and_drop(first, pages);
+        let res = map();
+        let mut lent = 0u64;
+        for &(i, st) in &taken {
+            // Natively a failed MAP_FIXED may have unmapped the old contents too; here they
+            // read as zeros.
+            let to = if res.is_ok() || st == State::Lent {
+                State::Lent
+            } else {
+                State::Unpopulated
+            };
+            if to == State::Lent {
+                self.pt.set_protected(i, false);
+                lent += u64::from(st != State::Lent);
+            }
+            self.pt.publish(i, to, Some(Activeness(0)));
+        }
+        self.counters
+            .managed_pages
+            .fetch_sub(lent, Ordering::Relaxed);
+        sys::restore_signals(&mask);
+        res
+    }
+
+    /// A private anonymous `MAP_FIXED` mapping with protection `prot` over managed memory the
+    /// program owns: how runtimes commit memory they reserved (QEMU's guest RAM, the JVM's
+    /// heap) and give it back (`PROT_NONE`). The range reads as zeros, stays managed, and has
+    /// the protection asked for.
+    pub fn commit(&self, addr: usize, len: usize, prot: i32) -> std::io::Result<()> {
+        let einval = || std::io::Error::from_raw_os_error(libc::EINVAL);
+        let (first, pages) = self.page_range(addr, len).map_err(|_| einval())?;
+        if pages < len.div_ceil(PAGE_SIZE) {
+            return Err(einval());
+        }
+        if self.in_child() || self.is_detached() {
+            // Plain memory now: the program's own mapping, passed through.
+            // SAFETY: the program's own MAP_FIXED request over its own memory.
+            return unsafe {
+                sys::mmap(
+                    addr,
+                    len,
+                    prot,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+                    -1,
+                    0,
+                )
+            }
+            .map(drop);
+        }
+        let mask = sys::block_signals();
+        let taken = self.take_and_drop(first, pages);
+        let back = self.take_back(&taken);
+        for &(i, _) in &taken {
+            self.pt.publish(i, State::Unpopulated, Some(Activeness(0)));
+        }
+        self.counters
+            .managed_pages
+            .fetch_add(back as u64, Ordering::Relaxed);
+        sys::restore_signals(&mask);
+        self.protect(addr, len, prot)
     }
 
     /// Gives pages the program had protected their read-write protection back before they
@@ -179,8 +304,32 @@ impl Engine {
             return self.child_zap(first, pages);
         }
         let mask = sys::block_signals();
-        for (i, _) in self.take_and_drop(first, pages) {
-            self.pt.publish(i, State::Unpopulated, Some(Activeness(0)));
+        let taken = self.take_and_drop(first, pages);
+        let held = taken
+            .iter()
+            .filter(|(_, st)| matches!(st, State::Mapped | State::Staged | State::Evicted))
+            .count();
+        self.counters
+            .discarded_pages
+            .fetch_add(held as u64, Ordering::Relaxed);
+        // A lent range is the program's own mapping: the advice applies to it natively.
+        for run in runs(&taken, |_, st| st == State::Lent) {
+            // SAFETY: the program's own mapping, which it asked to discard.
+            let _ = unsafe {
+                sys::madvise(
+                    self.addr_of(taken[run.start].0),
+                    run.len() * PAGE_SIZE,
+                    libc::MADV_DONTNEED,
+                )
+            };
+        }
+        for (i, st) in taken {
+            let to = if st == State::Lent {
+                State::Lent
+            } else {
+                State::Unpopulated
+            };
+            self.pt.publish(i, to, Some(Activeness(0)));
         }
         sys::restore_signals(&mask);
         Ok(())
@@ -205,7 +354,9 @@ impl Engine {
         // finds the move refused and keeps it mapped).
         if !rw {
             for i in first..first + pages {
-                self.pt.set_protected(i, true);
+                if self.pt.load(i).state() != State::Lent {
+                    self.pt.set_protected(i, true);
+                }
             }
         }
         // SAFETY: the program's own mprotect, passed through.
@@ -252,8 +403,12 @@ impl Engine {
     ) -> Result<usize, MemError> {
         let (first, old_pages) = self.page_range(addr, old_len)?;
         let new_pages = new_len.div_ceil(PAGE_SIZE).max(1);
-        if (first..first + old_pages).any(|i| self.pt.load(i).protected()) {
-            // Its pages would move into read-write memory: the caller copies instead.
+        if (first..first + old_pages).any(|i| {
+            let w = self.pt.load(i);
+            w.protected() || w.state() == State::Lent
+        }) {
+            // Its pages would move into read-write memory, or are not managed: the caller
+            // copies instead, or refuses.
             return Err(MemError::Unsupported);
         }
         if (self.in_child() || self.is_detached()) && new_pages > old_pages {
@@ -422,7 +577,8 @@ impl Engine {
                 }
                 let w = self.pt.load(i);
                 match w.state() {
-                    State::Free => {
+                    // Not managed memory: the system call uses it natively.
+                    State::Free | State::Lent => {
                         sys::restore_signals(&mask);
                         return pinned;
                     }
@@ -453,13 +609,28 @@ impl Engine {
         for i in 0..hw {
             while !matches!(
                 self.pt.load(i).state(),
-                State::Free | State::Mapped | State::Unpopulated
+                State::Free | State::Mapped | State::Unpopulated | State::Lent
             ) {
                 self.handle_fault(self.addr_of(i));
             }
         }
-        if let Err(e) = self.uffd.unregister(self.arena.addr(), self.arena.len()) {
-            fatal("unregistering the arena before fork failed", &e);
+        // Lent ranges are the program's own mappings, never registered (and UFFDIO_UNREGISTER
+        // refuses a range holding a file mapping): unregister around them.
+        let mut from = 0;
+        for i in (0..hw).chain([usize::MAX]) {
+            let lent = i != usize::MAX && self.pt.load(i).state() == State::Lent;
+            if i == usize::MAX || lent {
+                let to = if i == usize::MAX { self.pt.pages() } else { i };
+                if to > from {
+                    if let Err(e) = self
+                        .uffd
+                        .unregister(self.addr_of(from), (to - from) * PAGE_SIZE)
+                    {
+                        fatal("unregistering the arena before fork failed", &e);
+                    }
+                }
+                from = i.saturating_add(1);
+            }
         }
         // Plain memory from now on: Linux manages it as any other.
         let _ = sys::unlock(self.arena.addr(), self.arena.len());

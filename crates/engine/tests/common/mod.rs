@@ -56,9 +56,20 @@ pub fn is_child(marker: &str) -> bool {
 /// environment, and returns what it printed. A child still running after `timeout` is killed
 /// (its output then ends with a line saying so).
 pub fn in_child(test: &str, marker: &str, timeout: Duration) -> Output {
+    in_child_with(test, marker, timeout, &[])
+}
+
+/// [`in_child`], with more variables in the child's environment.
+pub fn in_child_with(
+    test: &str,
+    marker: &str,
+    timeout: Duration,
+    env: &[(&str, String)],
+) -> Output {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args(["--exact", test, "--nocapture", "--test-threads=1"])
         .env(marker, "1")
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()

@@ -1,0 +1,77 @@
+//! The engine's own threads: fault handlers, the evictor, the stats writer. They are started
+//! with `pthread_create` rather than `std::thread`, so each is marked as the engine's before
+//! it runs any code at all. std's thread start registers thread-local destructors through
+//! glibc, which allocates with the public `calloc`; in a program under the preload library
+//! that is the program's allocator (jemalloc in redis), whose memory is managed. A handler
+//! thread in there could wait on a lock held by a thread that is itself waiting for that
+//! handler (a thread that faulted on managed memory inside jemalloc): a deadlock. The preload
+//! library asks [`is_engine_thread`] and sends these threads to glibc's own allocator.
+//!
+//! The engine's threads never exit (the process ends them).
+
+use std::cell::Cell;
+use std::ffi::CString;
+use std::io;
+
+thread_local! {
+    // Const-initialised and without a destructor: reading it never allocates or registers.
+    static ENGINE_THREAD: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether the calling thread is one of the engine's own.
+pub fn is_engine_thread() -> bool {
+    ENGINE_THREAD.with(Cell::get)
+}
+
+struct Start {
+    name: String,
+    main: Box<dyn FnOnce() + Send>,
+}
+
+/// Starts an engine thread named `name` (at most 15 bytes show) running `main`, which must not
+/// return. A panic in it ends the process with one line: a dead handler or evictor would leave
+/// faulting threads waiting forever.
+pub fn spawn(name: &str, main: impl FnOnce() + Send + 'static) -> io::Result<()> {
+    let start = Box::into_raw(Box::new(Start {
+        name: name.to_owned(),
+        main: Box::new(main),
+    }));
+    // SAFETY: attr is initialised before use and destroyed after; `start` is handed to the
+    // new thread, or taken back here if none was created.
+    unsafe {
+        let mut attr: libc::pthread_attr_t = std::mem::zeroed();
+        libc::pthread_attr_init(&mut attr);
+        libc::pthread_attr_setdetachstate(&mut attr, libc::PTHREAD_CREATE_DETACHED);
+        let mut id: libc::pthread_t = 0;
+        let rc = libc::pthread_create(&mut id, &attr, run, start.cast());
+        libc::pthread_attr_destroy(&mut attr);
+        if rc != 0 {
+            drop(Box::from_raw(start));
+            return Err(io::Error::from_raw_os_error(rc));
+        }
+    }
+    Ok(())
+}
+
+extern "C" fn run(arg: *mut libc::c_void) -> *mut libc::c_void {
+    ENGINE_THREAD.with(|c| c.set(true));
+    // SAFETY: `arg` is the Start leaked by `spawn` for this thread alone.
+    let start = unsafe { Box::from_raw(arg.cast::<Start>()) };
+    let Start { name, main } = *start;
+    if let Ok(c) = CString::new(
+        name.as_bytes()
+            .iter()
+            .copied()
+            .take(15)
+            .collect::<Vec<u8>>(),
+    ) {
+        // SAFETY: a NUL-terminated name of at most 15 bytes for the calling thread.
+        unsafe { libc::pthread_setname_np(libc::pthread_self(), c.as_ptr()) };
+    }
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(main)).is_err() {
+        eprintln!("memtide: fatal: the engine's {name} thread panicked");
+    } else {
+        eprintln!("memtide: fatal: the engine's {name} thread stopped");
+    }
+    std::process::abort();
+}

@@ -1,0 +1,123 @@
+/*
+ * init for memtide's test guest: a static program that is the whole of the guest's user
+ * space. It fills most of the guest's RAM with a pattern, reads it back, reports on the
+ * serial console, optionally frees the memory and waits for free page reporting (virtio-
+ * balloon) to hand it back to the host, and powers the guest off.
+ *
+ * Settings arrive as kernel command-line words, which the kernel passes to init as
+ * environment variables: fill_mib=N (default: 75% of RAM), rounds=N (passes over the memory,
+ * default 2), balloon=1 (load the virtio-balloon driver and free the memory at the end),
+ * settle=S (seconds to wait after freeing, default 8).
+ */
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/reboot.h>
+#include <sys/syscall.h>
+#include <sys/sysinfo.h>
+#include <time.h>
+#include <unistd.h>
+
+static const char *modules[] = {
+    "virtio_ring.ko", "virtio.ko", "virtio_pci_modern_dev.ko", "virtio_pci_legacy_dev.ko",
+    "virtio_pci.ko", "virtio_balloon.ko",
+};
+
+static void say(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void say(const char *fmt, ...) {
+    char buf[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    if (n > 0)
+        write(1, buf, (size_t)n < sizeof buf ? (size_t)n : sizeof buf - 1);
+}
+
+static void power_off(void) {
+    sync();
+    reboot(RB_POWER_OFF);
+    for (;;)
+        pause();
+}
+
+static long setting(const char *name, long dflt) {
+    const char *v = getenv(name);
+    return v ? strtol(v, NULL, 10) : dflt;
+}
+
+static uint64_t pattern(uint64_t i, uint64_t round) {
+    uint64_t x = (i + 1) * 0x9E3779B97F4A7C15ull ^ (round + 1) * 0xD1B54A32D192ED03ull;
+    x ^= x >> 31;
+    x *= 0xBF58476D1CE4E5B9ull;
+    return x ^ (x >> 29);
+}
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec / 1e9;
+}
+
+static void load_modules(void) {
+    for (size_t k = 0; k < sizeof modules / sizeof *modules; k++) {
+        char path[128];
+        snprintf(path, sizeof path, "/modules/%s", modules[k]);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0 || syscall(SYS_finit_module, fd, "", 0) != 0)
+            say("memtide-guest: loading %s failed (%m)\n", modules[k]);
+        if (fd >= 0)
+            close(fd);
+    }
+}
+
+int main(void) {
+    struct sysinfo si;
+    sysinfo(&si);
+    uint64_t ram = (uint64_t)si.totalram * si.mem_unit;
+    long fill_mib = setting("fill_mib", (long)(ram * 3 / 4 >> 20));
+    long rounds = setting("rounds", 2);
+    int balloon = setting("balloon", 0) != 0;
+    say("memtide-guest: up, %llu MiB RAM, filling %ld MiB, %ld rounds%s\n",
+        (unsigned long long)(ram >> 20), fill_mib, rounds, balloon ? ", balloon" : "");
+    if (balloon)
+        load_modules();
+
+    size_t len = (size_t)fill_mib << 20;
+    uint64_t *m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) {
+        say("memtide-guest: FAIL: cannot map %ld MiB (%m)\n", fill_mib);
+        power_off();
+    }
+    size_t words = len / 8;
+    uint64_t bad = 0;
+    double t0 = now();
+    for (long r = 0; r < rounds; r++) {
+        for (size_t i = 0; i < words; i++)
+            m[i] = pattern(i, r);
+        for (size_t i = 0; i < words; i++)
+            if (m[i] != pattern(i, r))
+                bad++;
+        say("memtide-guest: round %ld of %ld done, %llu mismatches so far\n", r + 1, rounds,
+            (unsigned long long)bad);
+    }
+    double secs = now() - t0;
+    say("memtide-guest: verified %ld MiB x %ld rounds in %.1f s: %llu mismatches: %s\n", fill_mib,
+        rounds, secs, (unsigned long long)bad, bad ? "FAIL" : "PASS");
+    if (balloon) {
+        munmap(m, len);
+        long settle = setting("settle", 8);
+        sysinfo(&si);
+        say("memtide-guest: freed %ld MiB (guest free now %llu MiB); waiting %ld s for free page "
+            "reporting\n",
+            fill_mib, (unsigned long long)((uint64_t)si.freeram * si.mem_unit >> 20), settle);
+        sleep((unsigned)settle);
+        say("memtide-guest: done\n");
+    }
+    power_off();
+}
