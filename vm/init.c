@@ -8,6 +8,13 @@
  * environment variables: fill_mib=N (default: 75% of RAM), rounds=N (passes over the memory,
  * default 2), balloon=1 (load the virtio-balloon driver and free the memory at the end),
  * settle=S (seconds to wait after freeing, default 8).
+ *
+ * mode=paced runs a steady load instead, for density experiments: after filling, it makes
+ * rate=N accesses per second (default 200000) for seconds=S (default 30), each a read-modify-
+ * write of one word, a share hot_pct (default 99) of them in the first active_pct (default 20)
+ * percent of the memory and the rest anywhere, and reports every second and at the end how
+ * many it managed ("memtide-guest: paced ... achieved N/s"): a guest whose memory is slow
+ * falls behind its rate.
  */
 #define _GNU_SOURCE
 #include <fcntl.h>
@@ -76,6 +83,59 @@ static void load_modules(void) {
     }
 }
 
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+
+static uint64_t next_random(void) {
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return rng;
+}
+
+/* The paced load over `words` words at `m`; returns accesses made. */
+static uint64_t paced(uint64_t *m, size_t words) {
+    long rate = setting("rate", 200000);
+    long seconds = setting("seconds", 30);
+    long hot_pct = setting("hot_pct", 99);
+    long active_pct = setting("active_pct", 20);
+    size_t active = words / 100 * (size_t)active_pct;
+    if (active == 0)
+        active = 1;
+    double start = now(), next_report = start + 1;
+    uint64_t done = 0, last = 0;
+    for (;;) {
+        double t = now();
+        if (t - start >= seconds)
+            break;
+        /* Accesses owed by now; work in slices of at most 1 ms worth. */
+        uint64_t owed = (uint64_t)((t - start) * rate);
+        if (done >= owed) {
+            struct timespec ts = {0, 200000};
+            nanosleep(&ts, NULL);
+        } else {
+            uint64_t slice = owed - done;
+            if (slice > (uint64_t)rate / 1000 + 1)
+                slice = (uint64_t)rate / 1000 + 1;
+            for (uint64_t k = 0; k < slice; k++) {
+                uint64_t r = next_random();
+                size_t i = (long)(r % 100) < hot_pct ? (r >> 8) % active : (r >> 8) % words;
+                m[i] += 1;
+            }
+            done += slice;
+        }
+        if (t >= next_report) {
+            say("memtide-guest: paced second %.0f: %llu accesses\n", t - start,
+                (unsigned long long)(done - last));
+            last = done;
+            next_report += 1;
+        }
+    }
+    double secs = now() - start;
+    say("memtide-guest: paced %ld/s for %.1f s: achieved %.0f/s (%.1f%% of the rate)\n", rate,
+        secs, done / secs, 100.0 * done / secs / rate);
+    return done;
+}
+
 int main(void) {
     struct sysinfo si;
     sysinfo(&si);
@@ -95,6 +155,14 @@ int main(void) {
         power_off();
     }
     size_t words = len / 8;
+    const char *mode = getenv("mode");
+    if (mode && strcmp(mode, "paced") == 0) {
+        for (size_t i = 0; i < words; i++)
+            m[i] = pattern(i, 0);
+        say("memtide-guest: filled %ld MiB\n", fill_mib);
+        paced(m, words);
+        power_off();
+    }
     uint64_t bad = 0;
     double t0 = now();
     for (long r = 0; r < rounds; r++) {
