@@ -191,7 +191,48 @@ impl Engine {
         back
     }
 
-    /// A mapping of the program's own placed with `MAP_FIXED` over managed memory it owns — a
+    /// Makes the free pages of `[first, first+pages)` the program's (`Unpopulated`): a
+    /// `MAP_FIXED` mapping takes whatever address space it lands on, so one into arena space
+    /// the program gave back (or never had) allocates it, as natively it would replace
+    /// whatever was mapped there.
+    fn adopt_free(&self, first: usize, pages: usize) {
+        let mut adopted = 0u64;
+        {
+            let mut r = self.ranges.lock().unwrap_or_else(|e| e.into_inner());
+            let mut i = first;
+            while i < first + pages {
+                if self.pt.load(i).state() != State::Free {
+                    i += 1;
+                    continue;
+                }
+                let start = i;
+                while i < first + pages && self.pt.load(i).state() == State::Free {
+                    i += 1;
+                }
+                // Free in the page table but not in the range map: another call is between
+                // the two right now (the program allocating or unmapping there concurrently);
+                // that call's outcome stands.
+                if r.alloc_at(start, i - start) {
+                    for j in start..i {
+                        self.pt.allocate(j);
+                    }
+                    self.pt.set_block(start, i - start, false);
+                    adopted += (i - start) as u64;
+                }
+            }
+            self.high_water.store(r.high_water(), Ordering::Release);
+        }
+        if adopted > 0 {
+            let m = self
+                .counters
+                .managed_pages
+                .fetch_add(adopted, Ordering::Relaxed)
+                + adopted;
+            Counters::peak(&self.counters.peak_managed_pages, m);
+        }
+    }
+
+    /// A mapping of the program's own placed with `MAP_FIXED` in managed address space — a
     /// file, shared memory, a stack (`map` makes it; it must replace the whole range): the
     /// pages' contents go, as they would natively, and the range leaves management until the
     /// program unmaps it or maps anonymous memory over it again (then the arena takes it
@@ -207,13 +248,11 @@ impl Engine {
         if self.in_child() || self.is_detached() {
             return map();
         }
-        // Address space the program does not own (free arena space, or past the arena's end)
-        // is not its to map over.
-        if pages < len.div_ceil(PAGE_SIZE)
-            || (first..first + pages).any(|i| self.pt.load(i).state() == State::Free)
-        {
+        // Past the arena's end is not the arena's to give.
+        if pages < len.div_ceil(PAGE_SIZE) {
             return Err(einval());
         }
+        self.adopt_free(first, pages);
         let mask = sys::block_signals();
         let taken = self.take_and_drop(first, pages);
         let res = map();
@@ -239,8 +278,8 @@ impl Engine {
         res
     }
 
-    /// A private anonymous `MAP_FIXED` mapping with protection `prot` over managed memory the
-    /// program owns: how runtimes commit memory they reserved (QEMU's guest RAM, the JVM's
+    /// A private anonymous `MAP_FIXED` mapping with protection `prot` in managed address
+    /// space: how runtimes commit memory they reserved (QEMU's guest RAM, the JVM's
     /// heap) and give it back (`PROT_NONE`). The range reads as zeros, stays managed, and has
     /// the protection asked for.
     pub fn commit(&self, addr: usize, len: usize, prot: i32) -> std::io::Result<()> {
@@ -264,6 +303,7 @@ impl Engine {
             }
             .map(drop);
         }
+        self.adopt_free(first, pages);
         let mask = sys::block_signals();
         let taken = self.take_and_drop(first, pages);
         let back = self.take_back(&taken);
