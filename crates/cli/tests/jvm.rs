@@ -10,7 +10,9 @@ mod common;
 use std::process::Command;
 use std::time::Duration;
 
-use common::{main_stats, memtide, output_within, require, stderr, Scratch};
+use common::{
+    assert_peak_rss_within, main_stats, memtide, output_within, require, stderr, Scratch,
+};
 
 const MIB: u64 = 1 << 20;
 /// The JVM's own resident memory beside its heap (code, metaspace, its C heap, GC
@@ -74,13 +76,7 @@ fn run(gc: &str) {
     let coverage = v["coverage"].as_f64().unwrap();
     assert!(coverage >= 0.9, "{gc}: {:.0}% managed", coverage * 100.0);
     let st = main_stats(&stats);
-    let peak_rss = st["process_peak_rss_bytes"].as_u64().unwrap();
-    assert!(
-        peak_rss <= 512 * MIB + JVM_OVERHEAD,
-        "{gc}: JVM peak RSS {} MiB, budget 512 MiB + {} MiB overhead",
-        peak_rss / MIB,
-        JVM_OVERHEAD / MIB
-    );
+    assert_peak_rss_within(&st, 512 * MIB, JVM_OVERHEAD, &format!("{gc}: the JVM's"));
     assert!(
         st["tier_write_bytes"].as_u64().unwrap() >= 1024 * MIB,
         "{gc}: the heap went to tier 1: {st}"

@@ -12,7 +12,9 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
-use common::{main_stats, memtide, output_within, require, stderr, Scratch};
+use common::{
+    assert_peak_rss_within, main_stats, memtide, output_within, require, stderr, Scratch,
+};
 
 const MIB: u64 = 1 << 20;
 /// What QEMU itself keeps resident beside guest RAM with `tb-size=64` (its code, the TCG
@@ -75,13 +77,7 @@ fn a_guest_fills_and_verifies_four_times_its_hosts_budget() {
         "the guest's verdict:\n{console}"
     );
     let st = main_stats(&stats);
-    let peak_rss = st["process_peak_rss_bytes"].as_u64().unwrap();
-    assert!(
-        peak_rss <= 512 * MIB + QEMU_OVERHEAD,
-        "QEMU peak RSS {} MiB, budget 512 MiB + {} MiB overhead",
-        peak_rss / MIB,
-        QEMU_OVERHEAD / MIB
-    );
+    assert_peak_rss_within(&st, 512 * MIB, QEMU_OVERHEAD, "QEMU's");
     assert!(
         st["peak_managed_bytes"].as_u64().unwrap() >= 2048 * MIB,
         "the guest RAM is managed: {st}"

@@ -79,6 +79,20 @@ pub fn main_stats(path: &Path) -> serde_json::Value {
         .unwrap()
 }
 
+/// Asserts that a process's peak RSS, from its `--stats` entry, is within `budget` bytes of
+/// DRAM plus `overhead` bytes of the program's own.
+pub fn assert_peak_rss_within(st: &serde_json::Value, budget: u64, overhead: u64, what: &str) {
+    const MIB: u64 = 1 << 20;
+    let peak = st["process_peak_rss_bytes"].as_u64().unwrap();
+    assert!(
+        peak <= budget + overhead,
+        "{what} peak RSS {} MiB, budget {} MiB + {} MiB overhead",
+        peak / MIB,
+        budget / MIB,
+        overhead / MIB
+    );
+}
+
 pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }

@@ -204,11 +204,7 @@ impl Engine {
         let ring = StagingRing::new(wm.inactive_target + 4 * wm.batch)
             .map_err(io_err("reserve the staging area"))?;
         for m in [&arena, ring.area()] {
-            // SAFETY: advice on our own fresh mappings; NOHUGEPAGE keeps every page 4 KiB so
-            // that moves never split huge pages.
-            unsafe { sys::madvise(m.addr(), m.len(), libc::MADV_NOHUGEPAGE) }
-                .map_err(io_err("configure the arena"))?;
-            uffd.register(m.addr(), m.len())
+            prepare(&uffd, m.addr(), m.len())
                 .map_err(io_err("register the arena with userfaultfd"))?;
         }
         // Managed DRAM is locked as it is faulted in: memtide decides what leaves DRAM, and
@@ -542,6 +538,15 @@ pub fn process_rss_bytes() -> u64 {
         .ok()
         .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
         .map_or(0, |p| p * PAGE_SIZE as u64)
+}
+
+/// Readies a fresh anonymous mapping of the engine's (the arena, the staging area, arena
+/// memory taken back from the program) for managed pages: 4 KiB pages only (NOHUGEPAGE, so
+/// that moves never split huge pages), registered with the userfaultfd.
+fn prepare(uffd: &Uffd, addr: usize, len: usize) -> io::Result<()> {
+    // SAFETY: advice on a mapping of the engine's own.
+    unsafe { sys::madvise(addr, len, libc::MADV_NOHUGEPAGE) }?;
+    uffd.register(addr, len)
 }
 
 /// The process's peak resident size (VmHWM), or 0 if unknown.

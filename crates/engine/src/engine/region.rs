@@ -13,7 +13,7 @@ use memtide_policy::{Activeness, PAGE_SIZE};
 
 use super::fatal::fatal;
 use super::ring::RING_DEAD;
-use super::{Engine, MemError};
+use super::{prepare, Engine, MemError};
 use crate::pages::{State, NONE};
 use crate::stats::Counters;
 use crate::sys;
@@ -172,11 +172,7 @@ impl Engine {
                     0,
                 )
             };
-            let configured = mapped.and_then(|_| {
-                // SAFETY: advice on our own fresh mapping, as at start.
-                unsafe { sys::madvise(addr, len, libc::MADV_NOHUGEPAGE) }?;
-                self.uffd.register(addr, len)
-            });
+            let configured = mapped.and_then(|_| prepare(&self.uffd, addr, len));
             if let Err(e) = configured {
                 fatal(
                     "taking back arena memory the program had mapped over failed",
@@ -656,21 +652,20 @@ impl Engine {
         }
         // Lent ranges are the program's own mappings, never registered (and UFFDIO_UNREGISTER
         // refuses a range holding a file mapping): unregister around them.
+        let lent = |i: usize| i < hw && self.pt.load(i).state() == State::Lent;
         let mut from = 0;
-        for i in (0..hw).chain([usize::MAX]) {
-            let lent = i != usize::MAX && self.pt.load(i).state() == State::Lent;
-            if i == usize::MAX || lent {
-                let to = if i == usize::MAX { self.pt.pages() } else { i };
-                if to > from {
-                    if let Err(e) = self
-                        .uffd
-                        .unregister(self.addr_of(from), (to - from) * PAGE_SIZE)
-                    {
-                        fatal("unregistering the arena before fork failed", &e);
-                    }
+        while from < self.pt.pages() {
+            // The registered run from `from` ends at the next lent page (or the arena's end).
+            let to = (from..hw).find(|&i| lent(i)).unwrap_or(self.pt.pages());
+            if to > from {
+                if let Err(e) = self
+                    .uffd
+                    .unregister(self.addr_of(from), (to - from) * PAGE_SIZE)
+                {
+                    fatal("unregistering the arena before fork failed", &e);
                 }
-                from = i.saturating_add(1);
             }
+            from = to + 1;
         }
         // Plain memory from now on: Linux manages it as any other.
         let _ = sys::unlock(self.arena.addr(), self.arena.len());
