@@ -4,10 +4,8 @@
 //! `depth` threads doing `pread`/`pwrite`. Entry points: [`ProbeFile::create`],
 //! [`ProbeFile::run`].
 
-use std::ffi::CString;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -126,35 +124,20 @@ impl ProbeFile {
             path: dir.to_path_buf(),
             source,
         };
-        let cpath = CString::new(path.as_os_str().as_bytes())
-            .map_err(|_| io_err("bad path", io::ErrorKind::InvalidInput.into()))?;
-        let flags = libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC;
-        // SAFETY: NUL-terminated path; returns a new fd or -1.
-        let fd = unsafe { libc::open(cpath.as_ptr(), flags, 0o600) };
-        if fd < 0 {
-            let e = io::Error::last_os_error();
-            return Err(match e.raw_os_error() {
-                Some(libc::EACCES) | Some(libc::EROFS) | Some(libc::EPERM) => {
-                    ProbeError::NotWritable(dir.to_path_buf())
-                }
-                Some(libc::ENOSPC) | Some(libc::EDQUOT) => ProbeError::NoSpace {
-                    path: dir.to_path_buf(),
-                    size_mib: size >> 20,
-                },
-                _ => io_err("cannot create a test file", e),
-            });
-        }
-        // SAFETY: `fd` was just opened by us.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let (file, direct) = sys::create_new_direct(&path).map_err(|e| match e.raw_os_error() {
+            Some(libc::EACCES) | Some(libc::EROFS) | Some(libc::EPERM) => {
+                ProbeError::NotWritable(dir.to_path_buf())
+            }
+            Some(libc::ENOSPC) | Some(libc::EDQUOT) => ProbeError::NoSpace {
+                path: dir.to_path_buf(),
+                size_mib: size >> 20,
+            },
+            _ => io_err("cannot create a test file", e),
+        })?;
+        let fd = OwnedFd::from(file);
         let cleanup = |e: ProbeError| {
-            // SAFETY: NUL-terminated path of the file we created.
-            unsafe { libc::unlink(cpath.as_ptr()) };
+            let _ = std::fs::remove_file(&path);
             e
-        };
-        // SAFETY: plain fcntl calls on our own fd.
-        let direct = unsafe {
-            let fl = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
-            libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, fl | libc::O_DIRECT) == 0
         };
         if !direct {
             return Err(cleanup(ProbeError::NoDirect(dir.to_path_buf())));
@@ -173,8 +156,7 @@ impl ProbeFile {
             }));
         }
         if !keep {
-            // SAFETY: NUL-terminated path of the file we created.
-            unsafe { libc::unlink(cpath.as_ptr()) };
+            let _ = std::fs::remove_file(&path);
         }
         let uring = std::env::var_os("MEMTIDE_NO_IO_URING").is_none() && IoUring::new(4).is_ok();
         Ok(ProbeFile {

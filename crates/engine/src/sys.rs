@@ -434,6 +434,26 @@ pub unsafe fn discard(addr: usize, len: usize) -> io::Result<()> {
 
 /// Locks a range's pages in DRAM as they are faulted in (`mlock2(MLOCK_ONFAULT)`), so that
 /// Linux never swaps them out; `unlock` undoes it.
+/// Creates `path`, which must not exist (mode 0600, close-on-exec), for reading and writing,
+/// and asks for O_DIRECT on it afterwards, so that a filesystem without O_DIRECT (ramfs, some
+/// network filesystems) refuses only that. Returns the file and whether O_DIRECT took.
+pub fn create_new_direct(path: &std::path::Path) -> io::Result<(std::fs::File, bool)> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)?;
+    // SAFETY: plain fcntl calls on our own fd.
+    let direct = unsafe {
+        let fl = libc::fcntl(f.as_raw_fd(), libc::F_GETFL);
+        libc::fcntl(f.as_raw_fd(), libc::F_SETFL, fl | libc::O_DIRECT) == 0
+    };
+    Ok((f, direct))
+}
+
 pub fn lock_on_fault(addr: usize, len: usize) -> io::Result<()> {
     // SAFETY: mlock2 changes only the range's flags.
     check(unsafe { libc::syscall(libc::SYS_mlock2, addr, len, libc::MLOCK_ONFAULT) }).map(drop)

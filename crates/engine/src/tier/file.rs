@@ -3,10 +3,8 @@
 //! after it is created, so it disappears when the process exits however it exits; its space
 //! shows in `df` while the program runs. Entry point: [`FileTier::create`].
 
-use std::ffi::CString;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -55,40 +53,21 @@ impl FileTier {
             }
             path.to_path_buf()
         };
-        let cpath =
-            CString::new(target.as_os_str().as_bytes()).map_err(|_| TierOpenError::Create {
-                path: target.clone(),
-                source: io::Error::from(io::ErrorKind::InvalidInput),
-            })?;
-        let flags = libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC;
-        // SAFETY: NUL-terminated path; returns a new fd or -1.
-        let fd = unsafe { libc::open(cpath.as_ptr(), flags, 0o600) };
-        if fd < 0 {
-            let e = io::Error::last_os_error();
-            return Err(match e.raw_os_error() {
+        let (file, direct) =
+            sys::create_new_direct(&target).map_err(|e| match e.raw_os_error() {
                 Some(libc::EACCES) | Some(libc::EROFS) | Some(libc::EPERM) => {
-                    TierOpenError::NotWritable(target)
+                    TierOpenError::NotWritable(target.clone())
                 }
-                Some(libc::EEXIST) => TierOpenError::Exists(target),
-                Some(libc::ENOENT) => TierOpenError::Missing(target),
+                Some(libc::EEXIST) => TierOpenError::Exists(target.clone()),
+                Some(libc::ENOENT) => TierOpenError::Missing(target.clone()),
                 _ => TierOpenError::Create {
-                    path: target,
+                    path: target.clone(),
                     source: e,
                 },
-            });
-        }
-        // SAFETY: `fd` was just opened by us.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        // O_DIRECT is set afterwards, so that a filesystem without it (ramfs, some network
-        // filesystems) refuses only this and we fall back to buffered I/O.
-        // SAFETY: plain fcntl calls on our own fd.
-        let direct = unsafe {
-            let fl = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
-            libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, fl | libc::O_DIRECT) == 0
-        };
+            })?;
+        let fd = OwnedFd::from(file);
         // Unlinked at once: nothing is left behind, even if the program is killed.
-        // SAFETY: NUL-terminated path.
-        unsafe { libc::unlink(cpath.as_ptr()) };
+        let _ = std::fs::remove_file(&target);
         Ok(FileTier {
             fd,
             direct,
