@@ -29,8 +29,9 @@ pub struct BenchArgs {
     /// Experiments to run: `micro` (the built-in workload), `memcached` and `redis` (a
     /// dataset of --footprint bytes of values, zipf-distributed keys, 90% gets and 10% sets,
     /// over loopback from memtide's own load generator), `density` (how many tenants fit in
-    /// --host-dram while each keeps 90% / 95% of its all-DRAM throughput) and `noisy` (a
-    /// tenant beside one streaming over a large cold footprint, each with its own budget).
+    /// --host-dram while each keeps 90% / 95% of its all-DRAM throughput), `noisy` (a tenant
+    /// beside one streaming over a large cold footprint, each with its own budget) and `vms` (how many QEMU guests of 1 GiB, each serving a paced load, fit in --vm-dram while
+    /// each keeps 90% / 95% of its all-DRAM throughput).
     #[arg(long, value_delimiter = ',', default_value = "micro")]
     pub experiments: Vec<String>,
     /// Memory each workload run touches (for memcached and redis: bytes of values stored).
@@ -76,6 +77,28 @@ pub struct BenchArgs {
     /// Density: the load each tenant serves, in accesses/s (the green workload, paced).
     #[arg(long, value_parser = opts::rate, default_value = "100K/s")]
     pub tenant_rate: f64,
+    /// VMs: the DRAM the guests share (split evenly among them under memtide and Linux swap;
+    /// all-DRAM fits as many 1 GiB guests as this holds).
+    #[arg(long, value_parser = opts::nonzero_size, default_value = "2GiB")]
+    pub vm_dram: u64,
+    /// VMs: the numbers of guests to try.
+    #[arg(long, value_delimiter = ',', default_value = "4,5,6,7")]
+    pub guests: Vec<usize>,
+    /// VMs: the load each guest serves, in accesses/s (a TCG guest on one CPU manages about
+    /// 3M/s, so the default leaves room for many guests per CPU).
+    #[arg(long, value_parser = opts::rate, default_value = "200K/s")]
+    pub guest_rate: f64,
+    /// VMs: seconds each guest serves its load before measuring (after booting and filling
+    /// its memory; the part it touches most must come back from tier 1 or swap first).
+    #[arg(long, value_parser = opts::seconds_or_zero, default_value = "15")]
+    pub guest_warmup: f64,
+    /// VMs: seconds measured per guest.
+    #[arg(long, value_parser = opts::seconds, default_value = "10")]
+    pub guest_seconds: f64,
+    /// VMs: directory with the test guest's vmlinuz and initramfs (from vm/build-guest.sh;
+    /// default: target/guest beside the memtide binary, built there on first use).
+    #[arg(long)]
+    pub guest: Option<PathBuf>,
     /// Noisy: memory the streaming neighbour sweeps over.
     #[arg(long, value_parser = opts::nonzero_size, default_value = "2GiB")]
     pub neighbour_footprint: u64,
@@ -96,9 +119,10 @@ pub struct BenchArgs {
     /// Seconds of warm-up per run before measuring.
     #[arg(long, value_parser = opts::seconds_or_zero, default_value = "5")]
     pub warmup: f64,
-    /// Repetitions of every configuration (interleaved); medians are reported.
-    #[arg(long, default_value_t = 3)]
-    pub reps: usize,
+    /// Repetitions of every configuration (interleaved); medians are reported. Default 3, and
+    /// 2 for `vms`, whose runs take about a minute each.
+    #[arg(long = "reps")]
+    pub reps_given: Option<usize>,
     /// Skip the Linux-swap and zswap configurations (they need root).
     #[arg(long)]
     pub no_swap: bool,
@@ -112,6 +136,18 @@ pub struct BenchArgs {
     /// PREFIX-WORKLOAD.svg.
     #[arg(long, default_value = "memtide-bench")]
     pub plot: PathBuf,
+}
+
+impl BenchArgs {
+    /// Repetitions of every configuration but the VM experiment's.
+    pub fn reps(&self) -> usize {
+        self.reps_given.unwrap_or(3)
+    }
+
+    /// Repetitions of the VM experiment's configurations.
+    pub fn guest_reps(&self) -> usize {
+        self.reps_given.unwrap_or(2)
+    }
 }
 
 /// A workload of the microbenchmark: which share of pages gets which share of accesses.
@@ -439,12 +475,12 @@ fn raw_read_p50_us(dir: &Path) -> Result<f64> {
 }
 
 pub fn bench(a: BenchArgs) -> Result<ExitCode> {
-    if a.reps == 0 {
+    if a.reps_given == Some(0) {
         bail!("--reps must be at least 1");
     }
     for e in &a.experiments {
-        if !["micro", "memcached", "redis", "density", "noisy"].contains(&e.as_str()) {
-            bail!("unknown experiment `{e}`: choose micro, memcached, redis, density, noisy");
+        if !["micro", "memcached", "redis", "density", "noisy", "vms"].contains(&e.as_str()) {
+            bail!("unknown experiment `{e}`: choose micro, memcached, redis, density, noisy, vms");
         }
         if ["memcached", "redis"].contains(&e.as_str()) {
             crate::kv::Server::from_name(e)
@@ -493,6 +529,24 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     {
         bail!("--tenant-footprint plus --neighbour-footprint is more than half this machine's memory; the all-DRAM runs need it all in DRAM");
     }
+    let most_guests = a.guests.iter().copied().max().unwrap_or(0);
+    if has("vms") {
+        if a.guests.is_empty() || a.guests.iter().any(|&n| n == 0 || n > 64) {
+            bail!("--guests: give numbers of guests from 1 to 64, like 2,4,8");
+        }
+        let least = crate::vms::least_share();
+        if a.vm_dram / (most_guests as u64) < least {
+            bail!(
+                "--vm-dram {} split among {most_guests} guests leaves less than {} each (QEMU's own memory and some guest RAM)",
+                bytes(a.vm_dram),
+                bytes(least)
+            );
+        }
+        let all = crate::vms::GUEST_RAM * most_guests as u64;
+        if all > preflight::machine_memory() / 2 {
+            bail!("{most_guests} guests of {} need {} for the all-DRAM runs, more than half this machine's memory; lower --guests", bytes(crate::vms::GUEST_RAM), bytes(all));
+        }
+    }
     // The most memory any one run puts in tier 1 or swap.
     let mut swap_bytes = 0;
     if has("micro") || has("memcached") || has("redis") {
@@ -503,6 +557,9 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     }
     if has("noisy") {
         swap_bytes = swap_bytes.max(a.tenant_footprint + a.neighbour_footprint);
+    }
+    if has("vms") {
+        swap_bytes = swap_bytes.max(crate::vms::GUEST_RAM * most_guests as u64);
     }
     let budgets: Vec<u64> = a
         .budgets
@@ -515,6 +572,11 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     preflight::check_tier(&a.tier, Some(swap_bytes))?;
     preflight::check_uffd()?;
     let preload = preflight::find_preload()?;
+    let guests = if has("vms") {
+        Some(crate::vms::Guests::find(a.guest.as_deref())?)
+    } else {
+        None
+    };
     // SAFETY: installing an async-signal-safe handler; children still get the terminal's
     // SIGINT and stop, and we clean up. A hang-up or a closed output pipe (whoever watched
     // the bench went away) must not kill it before it restores swap, zswap and cgroups:
@@ -548,9 +610,9 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     }
     // One cgroup per tenant of the multi-tenant experiments; each run sets its limit.
     let tenant_cgroups = match &cg {
-        Some(cg) if has("density") || has("noisy") => {
+        Some(cg) if has("density") || has("noisy") || has("vms") => {
             let mut dirs = Vec::new();
-            for i in 0..most_tenants.max(2) {
+            for i in 0..most_tenants.max(most_guests).max(2) {
                 let dir = cg
                     .dir
                     .join(format!("memtide-bench-{}-tenant{i}", std::process::id()));
@@ -567,12 +629,28 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
         _ => None,
     };
 
+    let mut timing = Vec::new();
+    let others = a.experiments.iter().any(|e| e != "vms");
+    let reps = match (a.reps_given, others, has("vms")) {
+        (Some(r), _, _) => r.to_string(),
+        (None, true, true) => format!("{} (vms: {})", a.reps(), a.guest_reps()),
+        (None, false, _) => a.guest_reps().to_string(),
+        (None, true, false) => a.reps().to_string(),
+    };
+    if others {
+        timing.push(format!("{:.0}+{:.0} s per run", a.warmup, a.seconds));
+    }
+    if has("vms") {
+        timing.push(format!(
+            "{:.0}+{:.0} s of load per guest",
+            a.guest_warmup, a.guest_seconds
+        ));
+    }
     eprintln!(
-        "memtide bench: {}; {} reps of {:.0}+{:.0} s; tier and swap in {}",
+        "memtide bench: {}; {} reps, warm-up+measured {}; tier and swap in {}",
         a.experiments.join(", "),
-        a.reps,
-        a.warmup,
-        a.seconds,
+        reps,
+        timing.join(", "),
         a.tier.display()
     );
     if has("micro") || has("memcached") || has("redis") {
@@ -638,13 +716,13 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     let mut report = serde_json::Map::new();
     report.insert("footprint".into(), a.footprint.into());
     report.insert("budgets".into(), serde_json::json!(budgets));
-    report.insert("reps".into(), a.reps.into());
+    report.insert("reps".into(), a.reps().into());
     for e in &a.experiments {
         let section = match e.as_str() {
             "micro" => micro(&a, &configs, zswap, raw_p50)?,
             "memcached" => crate::kv::run(&a, crate::kv::Server::Memcached, &configs.0, zswap)?,
             "redis" => crate::kv::run(&a, crate::kv::Server::Redis, &configs.0, zswap)?,
-            "density" | "noisy" => {
+            "density" | "noisy" | "vms" => {
                 if zswap {
                     set_zswap(false)?;
                 }
@@ -653,10 +731,10 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
                     preload: &preload,
                     cgroups: tenant_cgroups.as_ref(),
                 };
-                if e == "density" {
-                    crate::tenants::density(&a, &host)?
-                } else {
-                    crate::tenants::noisy(&a, &host)?
+                match e.as_str() {
+                    "density" => crate::tenants::density(&a, &host)?,
+                    "noisy" => crate::tenants::noisy(&a, &host)?,
+                    _ => crate::vms::vms(&a, &host, guests.as_ref().expect("found above"))?,
                 }
             }
             _ => unreachable!("checked above"),
@@ -688,10 +766,10 @@ fn micro(
     raw_p50: Option<f64>,
 ) -> Result<serde_json::Value> {
     let configs = &configs.0;
-    let total_runs = a.reps * a.workloads.len() * a.threads.len() * configs.len();
+    let total_runs = a.reps() * a.workloads.len() * a.threads.len() * configs.len();
     let mut records: Vec<RunRecord> = Vec::new();
     let started = Instant::now();
-    for rep in 0..a.reps {
+    for rep in 0..a.reps() {
         for wname in &a.workloads {
             let (hot, hot_share) = workload_shape(wname).expect("checked");
             for &threads in &a.threads {
@@ -825,7 +903,11 @@ fn micro(
                 if tp.is_nan() {
                     println!(
                         "{:<8} {:>3} {:<16} {:>12} (every run was killed: {failed} of {})",
-                        w, t, c, "failed", a.reps
+                        w,
+                        t,
+                        c,
+                        "failed",
+                        a.reps()
                     );
                     rows.push(row);
                     continue;
@@ -846,7 +928,7 @@ fn micro(
                         "-".into()
                     },
                     if failed > 0 {
-                        format!("  ({failed} of {} runs killed)", a.reps)
+                        format!("  ({failed} of {} runs killed)", a.reps())
                     } else {
                         String::new()
                     }

@@ -489,10 +489,10 @@ pub fn run(
         a.skews,
         a.clients
     );
-    let total = a.reps * a.skews.len() * configs.len();
+    let total = a.reps() * a.skews.len() * configs.len();
     let mut records: Vec<RunRecord> = Vec::new();
     let started = Instant::now();
-    for rep in 0..a.reps {
+    for rep in 0..a.reps() {
         for &skew in &a.skews {
             for (name, _, place, zswap_on) in configs {
                 if crate::bench::interrupted() {

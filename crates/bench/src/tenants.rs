@@ -34,14 +34,14 @@ pub struct Host<'a> {
 
 /// How the tenants of one run are placed.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Family {
+pub(crate) enum Family {
     Dram,
     Memtide,
     Swap,
 }
 
 impl Family {
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Family::Dram => "all-DRAM",
             Family::Memtide => "memtide",
@@ -49,7 +49,7 @@ impl Family {
         }
     }
 
-    fn all(host: &Host) -> Vec<Family> {
+    pub(crate) fn all(host: &Host) -> Vec<Family> {
         let mut v = vec![Family::Dram, Family::Memtide];
         if host.cgroups.is_some() {
             v.push(Family::Swap);
@@ -180,12 +180,104 @@ struct DensityRow {
 }
 
 #[derive(Serialize)]
-struct Density {
+pub(crate) struct Density {
     config: String,
     /// Most tenants (of those tried) at which the slowest tenant kept 90% / 95% of all-DRAM
     /// (median over the repetitions) and no tenant was killed, as at every smaller count.
     at_10_percent_loss: Option<usize>,
     at_5_percent_loss: Option<usize>,
+}
+
+/// One count and placement of a density experiment: the slowest tenant against all-DRAM
+/// (median over the repetitions) and how many tenant runs Linux killed.
+pub(crate) struct Fit {
+    pub n: usize,
+    pub config: String,
+    pub worst_vs_dram: f64,
+    pub killed: usize,
+}
+
+/// Says how many tenants (`what`: "tenants", "guests") each placement but all-DRAM fits
+/// within 10% and 5% loss — the most at which the slowest kept the bar and none was killed,
+/// at every smaller count too — against the `fits` all-DRAM holds, and plots the slowest
+/// tenant per count to `plot`.
+pub(crate) fn report_fits(
+    what: &str,
+    fits: usize,
+    counts: &[usize],
+    families: &[Family],
+    rows: &[Fit],
+    title: String,
+    plot: &Path,
+) -> Result<Vec<Density>> {
+    let most_within = |f: Family, bar: f64| -> Option<usize> {
+        let mut best = None;
+        for &n in counts {
+            let r = rows
+                .iter()
+                .find(|r| r.n == n && r.config == f.name())
+                .expect("row per count");
+            // A tenant killed in any repetition did not fit, whatever the median says.
+            if r.worst_vs_dram >= bar && r.killed == 0 {
+                best = Some(n);
+            } else {
+                break;
+            }
+        }
+        best
+    };
+    let largest = counts.iter().copied().max().unwrap_or(0);
+    let say = |n: Option<usize>| match n {
+        None => "none of the counts tried".to_string(),
+        Some(n) if fits > 0 => format!(
+            "{n} {what} ({:.1}x all-DRAM){}",
+            n as f64 / fits as f64,
+            if n == largest {
+                format!(", the most tried: try more with --{what}")
+            } else {
+                String::new()
+            }
+        ),
+        Some(n) => format!("{n} {what} (all-DRAM fits none)"),
+    };
+    let mut densities = Vec::new();
+    for &f in families.iter().filter(|&&f| f != Family::Dram) {
+        let d = Density {
+            config: f.name().into(),
+            at_10_percent_loss: most_within(f, 0.90),
+            at_5_percent_loss: most_within(f, 0.95),
+        };
+        println!(
+            "{}: at most 10% loss {}; at most 5% loss {}.",
+            d.config,
+            say(d.at_10_percent_loss),
+            say(d.at_5_percent_loss)
+        );
+        densities.push(d);
+    }
+    crate::plot::Chart {
+        title,
+        x_label: what.into(),
+        y_label: format!("slowest of the {what}: throughput / all-DRAM"),
+        x_range: None,
+        y_range: Some((0.0, 1.1)),
+        x_percent: false,
+        y_percent: false,
+        series: families
+            .iter()
+            .filter(|&&f| f != Family::Dram)
+            .map(|&f| crate::plot::Series {
+                name: f.name().into(),
+                points: rows
+                    .iter()
+                    .filter(|r| r.config == f.name())
+                    .map(|r| (r.n as f64, r.worst_vs_dram))
+                    .collect(),
+            })
+            .collect(),
+    }
+    .write(plot)?;
+    Ok(densities)
 }
 
 /// The density experiment.
@@ -198,10 +290,10 @@ pub fn density(a: &BenchArgs, host: &Host) -> Result<serde_json::Value> {
         bytes(a.host_dram)
     );
     let families = Family::all(host);
-    let total = a.reps * a.tenants.len() * families.len();
+    let total = a.reps() * a.tenants.len() * families.len();
     let started = Instant::now();
     let mut records: Vec<DensityRun> = Vec::new();
-    for rep in 0..a.reps {
+    for rep in 0..a.reps() {
         for &n in &a.tenants {
             for &family in &families {
                 if crate::bench::interrupted() {
@@ -318,25 +410,6 @@ pub fn density(a: &BenchArgs, host: &Host) -> Result<serde_json::Value> {
             rows.push(row);
         }
     }
-    // Density: the most tenants at which the slowest kept the bar and none was killed, every
-    // smaller count too.
-    let most_within = |f: Family, bar: f64| -> Option<usize> {
-        let mut best = None;
-        for &n in &a.tenants {
-            let r = rows
-                .iter()
-                .find(|r| r.tenants == n && r.config == f.name())
-                .expect("row per tenant count");
-            // A tenant killed in any repetition did not fit, whatever the median says.
-            if r.worst_vs_dram >= bar && r.killed == 0 {
-                best = Some(n);
-            } else {
-                break;
-            }
-        }
-        best
-    };
-    let mut densities = Vec::new();
     println!();
     println!(
         "all-DRAM fits {fits} tenant{} of {} in {}.",
@@ -344,61 +417,28 @@ pub fn density(a: &BenchArgs, host: &Host) -> Result<serde_json::Value> {
         bytes(a.tenant_footprint),
         bytes(a.host_dram)
     );
-    let largest = a.tenants.iter().copied().max().unwrap_or(0);
-    for &f in families.iter().filter(|&&f| f != Family::Dram) {
-        let d = Density {
-            config: f.name().into(),
-            at_10_percent_loss: most_within(f, 0.90),
-            at_5_percent_loss: most_within(f, 0.95),
-        };
-        let say = |n: Option<usize>| match n {
-            None => "none of the counts tried".to_string(),
-            Some(n) if fits > 0 => format!(
-                "{n} tenants ({:.1}x all-DRAM){}",
-                n as f64 / fits as f64,
-                if n == largest {
-                    ", the most tried: try more with --tenants"
-                } else {
-                    ""
-                }
-            ),
-            Some(n) => format!("{n} tenants (all-DRAM fits none)"),
-        };
-        println!(
-            "{}: at most 10% loss {}; at most 5% loss {}.",
-            d.config,
-            say(d.at_10_percent_loss),
-            say(d.at_5_percent_loss)
-        );
-        densities.push(d);
-    }
-    let path = PathBuf::from(format!("{}-density.svg", a.plot.display()));
-    crate::plot::Chart {
-        title: format!(
+    let fit_rows: Vec<Fit> = rows
+        .iter()
+        .map(|r| Fit {
+            n: r.tenants,
+            config: r.config.clone(),
+            worst_vs_dram: r.worst_vs_dram,
+            killed: r.killed,
+        })
+        .collect();
+    let densities = report_fits(
+        "tenants",
+        fits,
+        &a.tenants,
+        &families,
+        &fit_rows,
+        format!(
             "memtide bench: density, tenants of {} sharing {} of DRAM",
             bytes(a.tenant_footprint),
             bytes(a.host_dram)
         ),
-        x_label: "tenants".into(),
-        y_label: "slowest tenant's throughput / all-DRAM".into(),
-        x_range: None,
-        y_range: Some((0.0, 1.1)),
-        x_percent: false,
-        y_percent: false,
-        series: families
-            .iter()
-            .filter(|&&f| f != Family::Dram)
-            .map(|&f| crate::plot::Series {
-                name: f.name().into(),
-                points: rows
-                    .iter()
-                    .filter(|r| r.config == f.name())
-                    .map(|r| (r.tenants as f64, r.worst_vs_dram))
-                    .collect(),
-            })
-            .collect(),
-    }
-    .write(&path)?;
+        &PathBuf::from(format!("{}-density.svg", a.plot.display())),
+    )?;
     Ok(serde_json::json!({
         "host_dram": a.host_dram,
         "tenant_footprint": a.tenant_footprint,
@@ -463,10 +503,10 @@ pub fn noisy(a: &BenchArgs, host: &Host) -> Result<serde_json::Value> {
         seed: 7,
     };
     let families = Family::all(host);
-    let total = a.reps * families.len() * 2;
+    let total = a.reps() * families.len() * 2;
     let started = Instant::now();
     let mut records: Vec<NoisyRun> = Vec::new();
-    for rep in 0..a.reps {
+    for rep in 0..a.reps() {
         for &family in &families {
             for beside in [false, true] {
                 if crate::bench::interrupted() {

@@ -1,5 +1,5 @@
 //! `memtide bench`, one short run of each experiment: every configuration (all-DRAM, memtide,
-//! Linux swap, zswap where the kernel has it) at every workload, thread count and tenant count
+//! Linux swap, zswap where the kernel has it) at every workload, thread count, tenant and guest count
 //! appears in the report, every finished run verified its data, the plots are written, and
 //! every system setting the bench changed is back as it was.
 
@@ -298,5 +298,100 @@ fn short_density_and_noisy_neighbour_runs_report_every_tenant() {
             }
         }
     }
+    assert_restored(&zswap, &swaps_before, s.path());
+}
+
+#[test]
+fn short_vm_density_run_reports_every_guest() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    common::require("qemu-system-x86_64");
+    let guest = common::guest();
+    let s = Scratch::new("benchvms");
+    let zswap = std::fs::read_to_string("/sys/module/zswap/parameters/enabled").ok();
+    let swaps_before = swaps();
+    let (out, v) = run_bench(
+        &s,
+        &[
+            "--experiments",
+            "vms",
+            "--guest",
+            guest.to_str().unwrap(),
+            "--vm-dram",
+            "1GiB",
+            "--guests",
+            "1,2",
+            "--guest-rate",
+            "100K/s",
+            "--guest-warmup",
+            "2",
+            "--guest-seconds",
+            "2",
+            "--reps",
+            "1",
+        ],
+    );
+    assert!(out.contains("all-DRAM fits 1 guest of 1.00 GiB"), "{out}");
+    let d = &v["vms"];
+    assert_eq!(d["all_dram_fits"], 1);
+    let rows = d["rows"].as_array().unwrap();
+    let shape: Vec<(u64, &str)> = rows
+        .iter()
+        .map(|r| (r["guests"].as_u64().unwrap(), r["config"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        shape,
+        [
+            (1, "all-DRAM"),
+            (1, "memtide"),
+            (1, "Linux swap"),
+            (2, "all-DRAM"),
+            (2, "memtide"),
+            (2, "Linux swap")
+        ]
+    );
+    const MIB: u64 = 1 << 20;
+    for run in d["runs"].as_array().unwrap() {
+        let guests = run["runs"].as_array().unwrap();
+        let n = run["guests"].as_u64().unwrap();
+        assert_eq!(guests.len() as u64, n, "{run}");
+        // The host DRAM is split evenly, in whole MiB.
+        assert_eq!(run["share"].as_u64(), Some(1024 / n * MIB), "{run}");
+        for g in guests {
+            if g.get("failed").is_some() {
+                assert_eq!(
+                    run["config"], "Linux swap",
+                    "only Linux kills guests: {run}"
+                );
+                continue;
+            }
+            // Every guest reported its rate, and a paced guest never beats its load.
+            let rate = g["achieved"].as_f64().unwrap();
+            assert!(rate > 0.0 && rate <= 100_000.0 * 1.02, "{run}");
+            if run["config"] == "memtide" {
+                let share = run["share"].as_u64().unwrap();
+                // memtide held guest RAM to the share less QEMU's own memory: QEMU stayed
+                // within the share (with 32 MiB of slack for its own memory's variation).
+                let rss = g["peak_rss"].as_u64().unwrap();
+                assert!(rss <= share + 32 * MIB, "peak RSS {} MiB: {run}", rss / MIB);
+                if n == 2 {
+                    // 768 MiB filled in 448 MiB of guest RAM: pages went to tier 1 and back.
+                    assert!(
+                        g["tier_write_bytes"].as_u64().unwrap() >= 256 * MIB,
+                        "{run}"
+                    );
+                    assert!(g["device_faults"].as_u64().unwrap() > 0, "{run}");
+                }
+            }
+        }
+    }
+    let names: Vec<&str> = d["density"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x["config"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["memtide", "Linux swap"]);
+    let svg = std::fs::read_to_string(s.path().join("plot-vms.svg")).unwrap();
+    assert!(svg.contains("memtide") && svg.contains("Linux swap"));
     assert_restored(&zswap, &swaps_before, s.path());
 }

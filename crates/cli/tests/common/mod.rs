@@ -1,5 +1,5 @@
 //! Helpers shared by the end-to-end tests: the memtide binary, scratch directories, free
-//! loopback ports, and the `--stats` JSON.
+//! loopback ports, the `--stats` JSON, and the test guest.
 #![allow(dead_code)]
 
 use std::net::TcpListener;
@@ -171,6 +171,24 @@ pub fn output_within(cmd: &mut Command, limit: Duration) -> Output {
         !timed_out,
         "{cmd:?} did not finish within {limit:?} (killed); its stderr:\n{}",
         String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// The test guest (vmlinuz, initramfs), built by `vm/build-guest.sh` into target/guest if it is
+/// not there yet.
+pub fn guest() -> PathBuf {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let out = root.join("target/guest");
+    let o = Command::new("bash")
+        .arg(root.join("vm/build-guest.sh"))
+        .arg(&out)
+        .output()
+        .expect("run vm/build-guest.sh");
+    assert!(
+        o.status.success(),
+        "building the guest failed: {}",
+        stderr(&o)
     );
     out
 }

@@ -1,0 +1,608 @@
+//! `memtide bench --experiments vms`: how many virtual machines share a host's DRAM while
+//! each keeps 90% (95%) of its all-DRAM throughput — the density experiment with real guests.
+//!
+//! Every guest is a QEMU process running the test guest of `vm/build-guest.sh`: 1 GiB of guest
+//! RAM, of which its init fills 768 MiB and then serves a paced load (a fixed number of word
+//! read-modify-writes per second, 99% of them in the first 20% of the memory, the rest anywhere)
+//! and reports on its serial console how much of the load it kept up with. Under memtide and
+//! Linux swap the guests split `--vm-dram` evenly; all-DRAM fits as many guests as that holds
+//! and is also run at every count, as the reference for the same CPU sharing. KVM is used where
+//! a guest runs under it, TCG otherwise. Entry point: [`vms`].
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use memtide_engine::launch::{die_with_parent, StatsDir};
+use memtide_engine::size::format as bytes;
+use serde::Serialize;
+
+use crate::bench::BenchArgs;
+use crate::demo::Placement;
+use crate::report::{median, step_label};
+use crate::tenants::{report_fits, Family, Fit, Host};
+
+/// Guest RAM, and how much of it the guest's load fills.
+pub const GUEST_RAM: u64 = 1 << 30;
+const FILL_MIB: u64 = 768;
+/// The guest's load: `HOT_PCT`% of accesses in the first `ACTIVE_PCT`% of the filled memory.
+const ACTIVE_PCT: u64 = 20;
+const HOT_PCT: u64 = 99;
+/// What a QEMU process keeps resident beside guest RAM (its code, the TCG translation buffer
+/// at `tb-size=64`, device state): about 48 MiB measured. memtide manages guest RAM only, so
+/// its budget per guest is the guest's share of the host DRAM less this; Linux swap's memory
+/// cgroup holds the whole process to the whole share.
+const QEMU_OWN: u64 = 64 << 20;
+
+/// The least host DRAM a guest can be given: QEMU's own memory and 64 MiB of guest RAM.
+pub fn least_share() -> u64 {
+    QEMU_OWN + (64 << 20)
+}
+
+/// How the guests run.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Accel {
+    Kvm,
+    Tcg,
+}
+
+/// The test guest and how to run it.
+pub struct Guests {
+    pub kernel: PathBuf,
+    pub initrd: PathBuf,
+    pub accel: Accel,
+}
+
+impl Guests {
+    /// Finds the test guest (in `dir`, or target/guest beside the memtide binary, building it
+    /// there with vm/build-guest.sh if it is missing) and probes KVM.
+    pub fn find(dir: Option<&Path>) -> Result<Guests> {
+        if crate::preflight::check_program("qemu-system-x86_64").is_err() {
+            bail!("the vms experiment needs qemu-system-x86_64 (Debian: apt-get install qemu-system-x86)");
+        }
+        let exe = std::env::current_exe().context("cannot locate the memtide binary")?;
+        let target = exe.parent().and_then(Path::parent).map(Path::to_path_buf);
+        let dir = match (dir, &target) {
+            (Some(d), _) => d.to_path_buf(),
+            (None, Some(t)) => t.join("guest"),
+            (None, None) => bail!("cannot tell where the test guest is: give --guest DIR"),
+        };
+        let (kernel, initrd) = (dir.join("vmlinuz"), dir.join("initramfs"));
+        if !kernel.is_file() || !initrd.is_file() {
+            let script = target
+                .as_deref()
+                .and_then(Path::parent)
+                .map(|r| r.join("vm/build-guest.sh"));
+            match script.filter(|s| s.is_file()) {
+                Some(script) => {
+                    eprintln!(
+                        "vms: building the test guest in {} ({})",
+                        dir.display(),
+                        script.display()
+                    );
+                    let out = Command::new("bash")
+                        .arg(&script)
+                        .arg(&dir)
+                        .stdout(Stdio::null())
+                        .output()
+                        .context("cannot run vm/build-guest.sh")?;
+                    if !out.status.success() {
+                        bail!(
+                            "building the test guest failed: {}",
+                            String::from_utf8_lossy(&out.stderr).trim()
+                        );
+                    }
+                }
+                None => bail!(
+                    "no test guest in {} (vmlinuz, initramfs): build one with vm/build-guest.sh {}",
+                    dir.display(),
+                    dir.display()
+                ),
+            }
+        }
+        let mut g = Guests {
+            kernel,
+            initrd,
+            accel: Accel::Tcg,
+        };
+        let (accel, why) = g.probe_kvm();
+        g.accel = accel;
+        eprintln!("vms: {why}");
+        Ok(g)
+    }
+
+    /// KVM if a small guest boots and finishes under it within 20 s, else TCG (with why).
+    fn probe_kvm(&self) -> (Accel, String) {
+        let usable = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/kvm")
+            .is_ok();
+        if !usable {
+            return (
+                Accel::Tcg,
+                "no usable /dev/kvm: guests run under TCG (emulated, slower)".into(),
+            );
+        }
+        let mut cmd = self.command(Accel::Kvm, "fill_mib=16 rounds=1");
+        match run_console(&mut cmd, Duration::from_secs(20)) {
+            Ok(c) if c.lines.iter().any(|l| l.contains("PASS")) => {
+                (Accel::Kvm, "guests run under KVM (a test guest ran under it)".into())
+            }
+            Ok(c) => (
+                Accel::Tcg,
+                format!(
+                    "/dev/kvm is present but a test guest did not finish under KVM within 20 s{}: guests run under TCG (emulated, slower)",
+                    if c.timed_out { " (nested guests hang on some hosts)" } else { "" }
+                ),
+            ),
+            Err(e) => (Accel::Tcg, format!("KVM probe failed ({e:#}): guests run under TCG")),
+        }
+    }
+
+    /// A QEMU command for one guest of `GUEST_RAM`, with `settings` on its kernel command line
+    /// (see vm/init.c).
+    fn command(&self, accel: Accel, settings: &str) -> Command {
+        let mut cmd = Command::new("qemu-system-x86_64");
+        cmd.args([
+            "-accel",
+            match accel {
+                Accel::Kvm => "kvm",
+                Accel::Tcg => "tcg,tb-size=64",
+            },
+        ])
+        .args([
+            "-m",
+            &format!("{}M", GUEST_RAM >> 20),
+            "-smp",
+            "1",
+            "-kernel",
+        ])
+        .arg(&self.kernel)
+        .arg("-initrd")
+        .arg(&self.initrd)
+        .args([
+            "-append",
+            &format!("console=ttyS0 quiet panic=-1 {settings}"),
+            "-nodefaults",
+            "-display",
+            "none",
+            "-serial",
+            "stdio",
+            "-no-reboot",
+        ])
+        .stdin(Stdio::null());
+        cmd
+    }
+}
+
+/// What a guest printed, and how its QEMU ended.
+struct Console {
+    lines: Vec<String>,
+    timed_out: bool,
+    status: i32,
+    peak_rss: u64,
+    /// Faults the kernel counted as major (those that waited for a read: swap-ins).
+    major_faults: u64,
+    /// CPU time QEMU used, user and system.
+    cpu_seconds: f64,
+    stderr: String,
+}
+
+/// Runs `cmd` (a QEMU with its console on stdout), killing it after `limit`. Call it from a
+/// thread that lives as long as the guest (the guest dies with the thread that started it).
+fn run_console(cmd: &mut Command, limit: Duration) -> Result<Console> {
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    die_with_parent(cmd, libc::SIGKILL);
+    let mut child = cmd.spawn().context("cannot start qemu-system-x86_64")?;
+    let pid = child.id() as i32;
+    let (out, mut err) = (
+        child.stdout.take().expect("piped"),
+        child.stderr.take().expect("piped"),
+    );
+    let (stop, stopped) = mpsc::channel::<()>();
+    std::thread::scope(|s| {
+        // The watchdog: kills the guest when its time is up, unless told it ended.
+        let watchdog = s.spawn(move || {
+            if let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(limit) {
+                // SAFETY: signalling our own child, not yet reaped (we reap it below, after
+                // this thread has ended).
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+                return true;
+            }
+            false
+        });
+        let stderr = s.spawn(move || {
+            let mut text = String::new();
+            let _ = err.read_to_string(&mut text);
+            text
+        });
+        let lines: Vec<String> = BufReader::new(out).lines().map_while(|l| l.ok()).collect();
+        let stderr = stderr.join().unwrap_or_default();
+        // Reap only once the watchdog can no longer signal the pid.
+        let _ = stop.send(());
+        let timed_out = watchdog.join().unwrap_or(false);
+        let mut status = 0;
+        // SAFETY: plain data, filled by wait4.
+        let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: waiting for our own child.
+        unsafe { libc::wait4(pid, &mut status, 0, &mut ru) };
+        Ok(Console {
+            lines,
+            timed_out,
+            status,
+            peak_rss: ru.ru_maxrss as u64 * 1024,
+            major_faults: ru.ru_majflt as u64,
+            cpu_seconds: [ru.ru_utime, ru.ru_stime]
+                .iter()
+                .map(|t| t.tv_sec as f64 + t.tv_usec as f64 / 1e6)
+                .sum(),
+            stderr,
+        })
+    })
+}
+
+/// One guest's result in one run (`None` achieved: it gave no result, e.g. Linux killed it).
+#[derive(Serialize, Clone, Debug)]
+struct GuestRun {
+    /// Accesses per second the guest made in the measured seconds.
+    achieved: Option<f64>,
+    peak_rss: u64,
+    /// Faults that waited for the device over the whole run (boot, fill, load): under memtide
+    /// its tier-1 faults, otherwise the kernel's major faults (swap-ins).
+    device_faults: u64,
+    /// CPU time the guest's QEMU used, all threads (memtide's included), user and system.
+    cpu_seconds: f64,
+    /// memtide only: bytes read from and written to tier 1.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tier_read_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tier_write_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    failed: Option<String>,
+}
+
+/// The rate in a guest's final line ("... achieved 199997/s (100.0% of the rate)").
+fn achieved(lines: &[String]) -> Option<f64> {
+    let l = lines
+        .iter()
+        .rev()
+        .find(|l| l.contains("memtide-guest: paced") && l.contains("achieved"))?;
+    l.split("achieved ")
+        .nth(1)?
+        .split('/')
+        .next()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// Runs `n` guests side by side in `family`'s placement, each with `share` of the host's DRAM.
+/// A guest that fails under all-DRAM or memtide fails the experiment; one Linux kills in its
+/// cgroup is a result.
+fn run_guests(
+    family: Family,
+    host: &Host,
+    g: &Guests,
+    a: &BenchArgs,
+    n: usize,
+    share: u64,
+) -> Result<Vec<GuestRun>> {
+    let mut procs: Vec<Option<PathBuf>> = Vec::new();
+    for i in 0..n {
+        procs.push(match (family, host.cgroups) {
+            (Family::Swap, Some(cg)) => Some(cg.limit(i, share)?),
+            _ => None,
+        });
+    }
+    let settings = format!(
+        "mode=paced fill_mib={FILL_MIB} rate={:.0} warmup={:.0} seconds={:.0} active_pct={ACTIVE_PCT} hot_pct={HOT_PCT}",
+        a.guest_rate,
+        a.guest_warmup.ceil(),
+        a.guest_seconds.ceil()
+    );
+    // Booting and filling take about 8 s of CPU per guest under TCG, and the guests share
+    // the machine's CPUs; be generous before calling a guest stuck.
+    let limit = Duration::from_secs_f64(120.0 + 30.0 * n as f64 + a.guest_warmup + a.guest_seconds);
+    let results: Vec<Result<GuestRun>> = std::thread::scope(|s| {
+        let handles: Vec<_> = procs
+            .iter()
+            .enumerate()
+            .map(|(i, procs)| {
+                let settings = &settings;
+                s.spawn(move || -> Result<GuestRun> {
+                    let place = match (family, procs) {
+                        (Family::Memtide, _) => Placement::Memtide {
+                            dram: share - QEMU_OWN,
+                            tier: host.tier,
+                            preload: host.preload,
+                            faults: memtide_engine::Delivery::Threads,
+                        },
+                        (Family::Swap, Some(p)) => Placement::Cgroup { procs: p },
+                        _ => Placement::Dram,
+                    };
+                    let stats =
+                        StatsDir::new().context("cannot create a directory for the statistics")?;
+                    let mut cmd = g.command(g.accel, settings);
+                    place.apply(&mut cmd, &stats.0);
+                    let c = run_console(&mut cmd, limit)?;
+                    let memtide = crate::summary::collect(&stats.0)
+                        .main()
+                        .map(|(s, _)| s.clone());
+                    match achieved(&c.lines) {
+                        Some(rate) => Ok(GuestRun {
+                            achieved: Some(rate),
+                            peak_rss: c.peak_rss,
+                            device_faults: memtide
+                                .as_ref()
+                                .map_or(c.major_faults, |m| m.faults_tier),
+                            cpu_seconds: c.cpu_seconds,
+                            tier_read_bytes: memtide.as_ref().map(|m| m.tier_read_bytes),
+                            tier_write_bytes: memtide.as_ref().map(|m| m.tier_write_bytes),
+                            failed: None,
+                        }),
+                        None => Err(anyhow!(
+                            "guest {i} gave no result ({}); its console ended:\n{}\n{}",
+                            if c.timed_out {
+                                format!("stopped after {:.0} s", limit.as_secs_f64())
+                            } else {
+                                format!("status {:#x}", c.status)
+                            },
+                            c.lines[c.lines.len().saturating_sub(8)..].join("\n"),
+                            c.stderr.trim()
+                        )),
+                    }
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow!("a guest's thread panicked")))
+            })
+            .collect()
+    });
+    let mut runs = Vec::new();
+    for r in results {
+        match r {
+            Ok(r) => runs.push(r),
+            Err(e) if family == Family::Swap => runs.push(GuestRun {
+                achieved: None,
+                peak_rss: 0,
+                device_faults: 0,
+                cpu_seconds: 0.0,
+                tier_read_bytes: None,
+                tier_write_bytes: None,
+                failed: Some(format!("{e:#}")),
+            }),
+            Err(e) => bail!("{}: {e:#}", family.name()),
+        }
+    }
+    Ok(runs)
+}
+
+#[derive(Serialize)]
+struct VmRun {
+    guests: usize,
+    config: String,
+    rep: usize,
+    share: u64,
+    runs: Vec<GuestRun>,
+}
+
+#[derive(Serialize)]
+struct VmRow {
+    guests: usize,
+    config: String,
+    /// Host DRAM per guest (memtide's budget is this less QEMU's own memory); `None`:
+    /// unlimited.
+    share: Option<u64>,
+    /// Medians over the repetitions of the slowest guest's and the median guest's
+    /// throughput, against all-DRAM with as many guests.
+    worst_vs_dram: f64,
+    median_vs_dram: f64,
+    /// Median over the repetitions of the slowest guest's throughput, accesses/s.
+    slowest: f64,
+    /// Median over the repetitions of the guests' peak RSS added up.
+    peak_rss_sum: f64,
+    /// Median of the guests' faults that waited for the device (whole run).
+    device_faults: f64,
+    killed: usize,
+}
+
+/// The VM density experiment.
+pub fn vms(a: &BenchArgs, host: &Host, g: &Guests) -> Result<serde_json::Value> {
+    let fits = (a.vm_dram / GUEST_RAM) as usize;
+    eprintln!(
+        "vms: guests of {} ({FILL_MIB} MiB filled; {HOT_PCT}% of accesses to {ACTIVE_PCT}% of it, the rest anywhere) at {:.0} k accesses/s each, sharing {} of DRAM; all-DRAM fits {fits}",
+        bytes(GUEST_RAM),
+        a.guest_rate / 1e3,
+        bytes(a.vm_dram)
+    );
+    let families = Family::all(host);
+    let total = a.guest_reps() * a.guests.len() * families.len();
+    let started = Instant::now();
+    let mut records: Vec<VmRun> = Vec::new();
+    for rep in 0..a.guest_reps() {
+        for &n in &a.guests {
+            let share = (a.vm_dram / n as u64) / (1 << 20) * (1 << 20);
+            for &family in &families {
+                if crate::bench::interrupted() {
+                    bail!("interrupted; settings restored");
+                }
+                let label = format!(
+                    "{} vms {n} guests {}{}",
+                    step_label(records.len(), total, started),
+                    family.name(),
+                    match family {
+                        Family::Dram => String::new(),
+                        Family::Memtide => format!(
+                            ", {} of DRAM each ({} for guest RAM)",
+                            bytes(share),
+                            bytes(share - QEMU_OWN)
+                        ),
+                        Family::Swap => format!(", {} of DRAM each", bytes(share)),
+                    }
+                );
+                eprintln!("{label}: running");
+                let runs = run_guests(family, host, g, a, n, share)?;
+                let tp: Vec<f64> = runs.iter().map(|r| r.achieved.unwrap_or(0.0)).collect();
+                let killed = runs.iter().filter(|r| r.failed.is_some()).count();
+                eprintln!(
+                    "{label}: slowest guest {:.0} k/s, median {:.0} k/s{}",
+                    tp.iter().copied().fold(f64::INFINITY, f64::min) / 1e3,
+                    median(tp.clone()) / 1e3,
+                    if killed > 0 {
+                        format!(", {killed} gave no result")
+                    } else {
+                        String::new()
+                    }
+                );
+                records.push(VmRun {
+                    guests: n,
+                    config: family.name().into(),
+                    rep,
+                    share,
+                    runs,
+                });
+            }
+        }
+    }
+
+    let of = |n: usize, f: Family| {
+        records
+            .iter()
+            .filter(move |r| r.guests == n && r.config == f.name())
+    };
+    let worst = |r: &VmRun| {
+        r.runs
+            .iter()
+            .map(|t| t.achieved.unwrap_or(0.0))
+            .fold(f64::INFINITY, f64::min)
+    };
+    let mid = |r: &VmRun| median(r.runs.iter().map(|t| t.achieved.unwrap_or(0.0)).collect());
+    let mut rows = Vec::new();
+    println!();
+    println!(
+        "{:>6} {:<11} {:>10} {:>13} {:>13} {:>12} {:>13} {:>14}",
+        "guests",
+        "config",
+        "DRAM each",
+        "slowest/DRAM",
+        "median/DRAM",
+        "slowest k/s",
+        "peak RSS sum",
+        "device faults"
+    );
+    for &n in &a.guests {
+        let reference = median(of(n, Family::Dram).map(mid).collect());
+        for &f in &families {
+            let row = VmRow {
+                guests: n,
+                config: f.name().into(),
+                share: (f != Family::Dram).then(|| of(n, f).next().map_or(0, |r| r.share)),
+                worst_vs_dram: median(of(n, f).map(worst).collect()) / reference,
+                median_vs_dram: median(of(n, f).map(mid).collect()) / reference,
+                slowest: median(of(n, f).map(worst).collect()),
+                peak_rss_sum: median(
+                    of(n, f)
+                        .map(|r| r.runs.iter().map(|t| t.peak_rss as f64).sum())
+                        .collect(),
+                ),
+                device_faults: median(
+                    of(n, f)
+                        .flat_map(|r| r.runs.iter())
+                        .filter(|t| t.failed.is_none())
+                        .map(|t| t.device_faults as f64)
+                        .collect(),
+                ),
+                killed: of(n, f)
+                    .map(|r| r.runs.iter().filter(|t| t.failed.is_some()).count())
+                    .sum(),
+            };
+            println!(
+                "{:>6} {:<11} {:>10} {:>12.3}x {:>12.3}x {:>12.0} {:>13} {:>14.0}{}",
+                n,
+                row.config,
+                row.share.map_or("unlimited".into(), bytes),
+                row.worst_vs_dram,
+                row.median_vs_dram,
+                row.slowest / 1e3,
+                bytes(row.peak_rss_sum as u64),
+                row.device_faults,
+                match (f, row.killed) {
+                    (Family::Dram, _) if n > fits => "  (would not fit: reference only)".into(),
+                    (_, 0) => String::new(),
+                    (_, k) => format!("  ({k} guest runs gave no result)"),
+                }
+            );
+            rows.push(row);
+        }
+    }
+    println!();
+    println!(
+        "all-DRAM fits {fits} guest{} of {} in {}; memtide's budget per guest is its share less {} for QEMU's own memory, which memtide does not manage.",
+        if fits == 1 { "" } else { "s" },
+        bytes(GUEST_RAM),
+        bytes(a.vm_dram),
+        bytes(QEMU_OWN)
+    );
+    let fit_rows: Vec<Fit> = rows
+        .iter()
+        .map(|r| Fit {
+            n: r.guests,
+            config: r.config.clone(),
+            worst_vs_dram: r.worst_vs_dram,
+            killed: r.killed,
+        })
+        .collect();
+    let densities = report_fits(
+        "guests",
+        fits,
+        &a.guests,
+        &families,
+        &fit_rows,
+        format!(
+            "memtide bench: VM density, guests of {} sharing {} of DRAM",
+            bytes(GUEST_RAM),
+            bytes(a.vm_dram)
+        ),
+        &PathBuf::from(format!("{}-vms.svg", a.plot.display())),
+    )?;
+    Ok(serde_json::json!({
+        "reps": a.guest_reps(),
+        "host_dram": a.vm_dram,
+        "guest_ram": GUEST_RAM,
+        "fill_mib": FILL_MIB,
+        "active_pct": ACTIVE_PCT,
+        "hot_pct": HOT_PCT,
+        "guest_rate": a.guest_rate,
+        "accel": format!("{:?}", g.accel),
+        "all_dram_fits": fits,
+        "rows": rows,
+        "density": densities,
+        "runs": records,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::achieved;
+
+    #[test]
+    fn reads_the_rate_from_the_last_report() {
+        let lines: Vec<String> = [
+            "memtide-guest: paced second 3: 200041 accesses",
+            "memtide-guest: paced 200000/s for 4.0 s after 3 s of warm-up: achieved 70182/s (35.1% of the rate)",
+            "[   12.541379] reboot: Power down",
+        ]
+        .map(String::from)
+        .to_vec();
+        assert_eq!(achieved(&lines), Some(70182.0));
+        assert_eq!(achieved(&lines[..1]), None);
+    }
+}
