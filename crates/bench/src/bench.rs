@@ -54,7 +54,9 @@ pub struct BenchArgs {
     /// anywhere: the active set is at most half of every budget down to 20%), `skewed` (10% of
     /// pages take 99% and the other 1% go anywhere: every page is touched every few seconds,
     /// so the active set is the whole footprint), `red` (80% of pages take 99%: the active
-    /// set is larger than DRAM) and `uniform`.
+    /// set is larger than DRAM), `hotcold` (a scattered 20% of pages take 90%: at 50% the hot
+    /// set fits and what placement keeps decides the misses; not in the default set) and
+    /// `uniform`.
     #[arg(
         long,
         value_delimiter = ',',
@@ -156,6 +158,7 @@ pub fn workload_shape(name: &str) -> Option<(f64, f64)> {
         "green" => Some((0.10, 0.99999)),
         "skewed" => Some((0.10, 0.99)),
         "red" => Some((0.80, 0.99)),
+        "hotcold" => Some((0.20, 0.90)),
         "uniform" => Some((1.0, 1.0)),
         _ => None,
     }
@@ -499,7 +502,7 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     }
     for w in &a.workloads {
         if workload_shape(w).is_none() {
-            bail!("unknown workload `{w}`: choose green, skewed, red, uniform");
+            bail!("unknown workload `{w}`: choose green, skewed, red, hotcold, uniform");
         }
     }
     if a.threads.is_empty() || a.threads.iter().any(|&t| t == 0 || t > 64) {

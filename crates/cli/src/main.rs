@@ -36,8 +36,9 @@ enum Cmd {
     /// Measure memtide against all-DRAM and against Linux swap with the same DRAM budget, side
     /// by side, on the built-in workload (needs root for the Linux-swap configurations).
     Bench(bench::BenchArgs),
-    /// Replay a synthetic access profile under other DRAM sizes and policies (memtide's own,
-    /// LRU, CLOCK, LFU with aging, and Belady's optimum) and estimate the slowdown.
+    /// Replay a synthetic access profile or a trace under other DRAM sizes and policies
+    /// (memtide's own, LRU, CLOCK, ARC, 2Q, S3-FIFO, SIEVE, LFU, and Belady's optimum) and
+    /// estimate the slowdown.
     ///
     /// Example: memtide sim --workload zipf:footprint=64GiB,skew=0.99,accesses=200M --dram 25%,50% --policy all
     Sim(sim::SimArgs),

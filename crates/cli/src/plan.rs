@@ -13,7 +13,7 @@ use clap::Args;
 use memtide_engine::size;
 use memtide_sim::plan::{Binding, Host, Point, Prices, Tenant};
 use memtide_sim::workload::{Kind, Spec};
-use memtide_sim::{simulate, Job, Latency, Source, Trace};
+use memtide_sim::{simulate, Job, Latency, Source};
 use serde::Deserialize;
 
 use memtide_bench::opts;
@@ -150,7 +150,8 @@ fn profile(t: &TenantToml, base: &Path) -> Result<Profile> {
         let path = base.join(trace);
         let data = std::fs::read(&path)
             .with_context(|| format!("tenant `{name}`: cannot read trace {}", path.display()))?;
-        let tr = Trace::parse(data).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        let tr = memtide_sim::import::load(&path, data, None)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
         let pages: u64 = tr.tenant_pages.iter().sum();
         if pages == 0 {
             bail!("tenant `{name}`: the trace touches no pages");

@@ -9,8 +9,9 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use memtide_engine::size;
+use memtide_sim::import::{self, Format};
 use memtide_sim::trace::{Record, Writer};
-use memtide_sim::{simulate, Job, Latency, Source, Spec, Trace, ALL_POLICIES, KNOWN_POLICIES};
+use memtide_sim::{simulate, Job, Latency, Source, Spec, ALL_POLICIES, KNOWN_POLICIES};
 
 use memtide_bench::opts;
 
@@ -21,19 +22,46 @@ pub struct SimArgs {
     /// each, `active` fraction used, `noisy` of them streaming), active (active, skew, cold:
     /// one tenant's profile); keys footprint, accesses, warmup (accesses not counted), writes,
     /// seed, fill. Example: zipf:footprint=64GiB,skew=0.99,accesses=200M
-    #[arg(long, required_unless_present = "trace", conflicts_with = "trace")]
+    #[arg(
+        long,
+        required_unless_present_any = ["trace", "corpus"],
+        conflicts_with_all = ["trace", "corpus"]
+    )]
     pub workload: Option<String>,
-    /// Replay a recorded trace (.mtt) instead of a synthetic workload.
+    /// Compare memtide's policy with the online policies (lru, clock, arc, 2q, s3fifo, sieve)
+    /// on the built-in corpus: zipf at four skews, three hot/cold splits, two active-memory
+    /// profiles, a moving hot set, a hot set with a scan, uniform; each at every --dram
+    /// (default here 10%,25%,50%,75%), after a warm-up. Prints memtide's misses against the
+    /// best online policy's on every row.
+    #[arg(long, conflicts_with = "trace")]
+    pub corpus: bool,
+    /// With --corpus: each workload's footprint, counted accesses and uncounted warm-up.
+    #[arg(long, requires = "corpus", default_value = "1GiB")]
+    pub corpus_footprint: String,
+    #[arg(long, requires = "corpus", default_value = "5M")]
+    pub corpus_accesses: String,
+    #[arg(long, requires = "corpus", default_value = "5M")]
+    pub corpus_warmup: String,
+    /// Replay a recorded trace instead of a synthetic workload: memtide's .mtt, libCacheSim's
+    /// oracleGeneral (uncompressed), or CSV (see --trace-format).
     #[arg(long)]
     pub trace: Option<PathBuf>,
+    /// The trace's format: auto (the .mtt header, a .csv name, or oracleGeneral in the name),
+    /// mtt, oracle-general, or csv: one access per line, `id` or `time,id,...`, or a header
+    /// naming an obj_id, id, key, page or addr column (addr: a byte address) and optionally an
+    /// op column marking writes. Each distinct object is one page; sizes are ignored.
+    #[arg(long, value_parser = trace_format, requires = "trace")]
+    pub trace_format: Option<TraceFormat>,
     /// Write the synthetic workload's accesses as a trace (.mtt) to this file.
     #[arg(long, requires = "workload")]
     pub save_trace: Option<PathBuf>,
     /// DRAM sizes to try: percentages of the footprint or sizes, comma-separated (25%,50%,4GiB).
-    #[arg(long, value_delimiter = ',', default_value = "25%,50%,75%")]
+    #[arg(long, value_delimiter = ',')]
     pub dram: Vec<String>,
-    /// Policies, comma-separated, or `all`: memtide, lru, clock, lfu, opt; and memory-mode, a
-    /// direct-mapped DRAM cache in front of the slow tier (not in `all`).
+    /// Policies, comma-separated, or `all`: memtide (the engine's policy, seeing only the faults
+    /// the engine sees), lru, clock, arc, 2q, s3fifo, sieve (each sees every access), lfu
+    /// (exact), gclock (LFU with aging), opt (Belady, offline); not in `all`: memory-mode (a
+    /// direct-mapped DRAM cache in front of the slow tier) and memtide-v1 (the first policy).
     #[arg(long, value_delimiter = ',', default_value = "all")]
     pub policy: Vec<String>,
     /// Cost of an access from DRAM, including the program's own work per access.
@@ -59,6 +87,16 @@ pub struct SimArgs {
     /// Where a sweep (two or more DRAM sizes) draws loss vs DRAM per policy, as SVG.
     #[arg(long, default_value = "memtide-sim.svg")]
     pub plot: PathBuf,
+}
+
+/// A `--trace-format`: a format, or none to tell it from the file.
+#[derive(Clone, Copy, Debug)]
+pub struct TraceFormat(Option<Format>);
+
+fn trace_format(s: &str) -> Result<TraceFormat, String> {
+    Format::parse(s)
+        .map(TraceFormat)
+        .ok_or_else(|| format!("`{s}`: choose auto, mtt, oracle-general or csv"))
 }
 
 fn parse_dram(s: &str, pages: u64) -> Result<u64> {
@@ -90,7 +128,16 @@ fn parse_dram(s: &str, pages: u64) -> Result<u64> {
     Ok(p)
 }
 
-pub fn sim(a: SimArgs) -> Result<ExitCode> {
+pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
+    if a.corpus {
+        return corpus(&a);
+    }
+    if a.dram.is_empty() {
+        a.dram = vec!["25%".into(), "50%".into(), "75%".into()];
+    }
+    if a.trace_format.is_some() && a.trace.is_none() {
+        bail!("--trace-format describes a --trace file; a --workload has no format");
+    }
     let (spec, label) = match (&a.workload, &a.trace) {
         (Some(w), _) => {
             let s = Spec::parse(w, 4096, |v| size::parse(v).ok())
@@ -101,7 +148,8 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
         (None, Some(p)) => {
             let data =
                 std::fs::read(p).with_context(|| format!("cannot read trace {}", p.display()))?;
-            let t = Trace::parse(data).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
+            let t = import::load(p, data, a.trace_format.and_then(|f| f.0))
+                .map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
             let label = format!(
                 "trace {}: {} records, {} tenants, {} pages",
                 p.display(),
@@ -146,7 +194,10 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
         } else if KNOWN_POLICIES.contains(&p.as_str()) {
             policies.push(p.clone());
         } else {
-            bail!("--policy: unknown policy `{p}`: choose from memtide, lru, clock, lfu, opt, memory-mode, all");
+            bail!(
+                "--policy: unknown policy `{p}`: choose from {}, all",
+                KNOWN_POLICIES.join(", ")
+            );
         }
     }
     policies.dedup();
@@ -180,7 +231,10 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
         .collect();
     eprintln!("memtide sim: {label}");
     let tty = std::io::stderr().is_terminal();
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(jobs.len())
+        .max(1);
     let start = std::time::Instant::now();
     let out = simulate(&spec, &jobs, &lat, threads, &|done, total| {
         if tty {
@@ -203,11 +257,12 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
         events as f64 / o.accesses.max(1) as f64 * rate * 4096.0 / 1e6
     };
     println!(
-        "{:<10} {:<8} {:>12} {:>9} {:>8} {:>11} {:>11} {:>9} {:>7} {:>9} {:>9}",
+        "{:<10} {:<10} {:>12} {:>9} {:>10} {:>8} {:>11} {:>11} {:>9} {:>7} {:>9} {:>9}",
         "DRAM",
         "policy",
         "misses",
         "miss %",
+        "+1st tch %",
         "vs OPT",
         "soft faults",
         "writebacks",
@@ -230,11 +285,12 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
             });
             let slow = o.slowdown(&lat);
             println!(
-                "{:<10} {:<8} {:>12} {:>8.3}% {:>8} {:>11} {:>11} {:>8.2}x {:>6.1}% {:>9.1} {:>10.1}",
+                "{:<10} {:<10} {:>12} {:>8.3}% {:>9.3}% {:>8} {:>11} {:>11} {:>8.2}x {:>6.1}% {:>9.1} {:>10.1}",
                 size::format(d * 4096),
                 o.policy,
                 o.misses,
                 o.miss_ratio() * 100.0,
+                o.miss_ratio_with_first_touches() * 100.0,
                 vs_opt.map_or("-".into(), |v| format!("{v:.2}x")),
                 o.soft_faults,
                 o.writebacks,
@@ -247,12 +303,14 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
                 let per: Vec<String> = (0..o.tenant_accesses.len())
                     .map(|t| format!("t{t} {:.2}x", o.tenant_slowdown(t, &lat)))
                     .collect();
-                println!("{:<10} {:<8}   per tenant: {}", "", "", per.join("  "));
+                println!("{:<10} {:<10}   per tenant: {}", "", "", per.join("  "));
             }
             rows.push(serde_json::json!({
                 "dram_bytes": d * 4096,
                 "dram_fraction": d as f64 / pages as f64,
                 "outcome": o,
+                "miss_ratio": o.miss_ratio(),
+                "miss_ratio_with_first_touches": o.miss_ratio_with_first_touches(),
                 "misses_vs_opt": vs_opt,
                 "slowdown": slow,
                 "tier_read_mb_per_sec": bandwidth(o.misses, o),
@@ -308,10 +366,12 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
     };
     let total: u64 = out.iter().map(|o| o.accesses + uncounted).sum();
     eprintln!(
-        "{} replays, {:.0} M simulated accesses in {secs:.1} s ({:.1} M/s on {threads} threads)",
+        "{} replay{}, {:.0} M simulated accesses in {secs:.1} s ({:.1} M/s on {threads} thread{})",
         out.len(),
+        if out.len() == 1 { "" } else { "s" },
         total as f64 / 1e6,
-        total as f64 / secs / 1e6
+        total as f64 / secs / 1e6,
+        if threads == 1 { "" } else { "s" }
     );
     if let Some(p) = &a.json {
         let json = serde_json::json!({
@@ -322,6 +382,146 @@ pub fn sim(a: SimArgs) -> Result<ExitCode> {
             "results": rows,
         });
         memtide_bench::report::write_json(p, &json)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The corpus `--corpus` replays: (family, parameters).
+const CORPUS: [&str; 12] = [
+    "zipf:skew=0.6",
+    "zipf:skew=0.8",
+    "zipf:skew=0.99",
+    "zipf:skew=1.2",
+    "hotcold:hot=20%,share=90%",
+    "hotcold:hot=5%,share=95%",
+    "hotcold:hot=50%,share=80%",
+    "active:active=20%,cold=0.5%",
+    "active:active=50%,cold=2%,skew=0",
+    "phases:hot=10%,share=90%,phases=4",
+    "scan:hot=20%,share=90%",
+    "uniform",
+];
+
+/// A corpus row's workload without its size (the same on every row): the text before
+/// ", N pages", cut to the column's width.
+fn short_label(label: &str) -> String {
+    let end = label
+        .match_indices(", ")
+        .find(|(at, _)| {
+            let rest = &label[at + 2..];
+            let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+            digits > 0 && rest[digits..].starts_with(" pages")
+        })
+        .map_or(label.len(), |(at, _)| at);
+    label[..end].chars().take(44).collect()
+}
+
+/// The online policies memtide's is measured against: each sees every access.
+const ONLINE: [&str; 6] = ["lru", "clock", "arc", "2q", "s3fifo", "sieve"];
+
+fn corpus(a: &SimArgs) -> Result<ExitCode> {
+    let drams: Vec<String> = if a.dram.is_empty() {
+        ["10%", "25%", "50%", "75%"].map(String::from).to_vec()
+    } else {
+        a.dram.clone()
+    };
+    let lat = Latency {
+        dram_ns: a.dram_latency.max(1e-3),
+        tier_ns: a.tier_latency,
+        soft_ns: a.soft_latency,
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!(
+        "{:<44} {:>5} {:>8} {:>9} {:>9} {:>8} {:>8}",
+        "workload", "DRAM", "best", "best %", "memtide %", "ratio", "soft/acc"
+    );
+    let start = std::time::Instant::now();
+    let (mut rows, mut worst, mut log_sum, mut at_or_below) = (Vec::new(), 0f64, 0f64, 0);
+    for family in CORPUS {
+        let (kind, rest) = family.split_once(':').unwrap_or((family, ""));
+        let spec = format!(
+            "{kind}:footprint={},accesses={},warmup={}{}{rest}",
+            a.corpus_footprint,
+            a.corpus_accesses,
+            a.corpus_warmup,
+            if rest.is_empty() { "" } else { "," }
+        );
+        let s = Spec::parse(&spec, 4096, |v| size::parse(v).ok())
+            .map_err(|e| anyhow::anyhow!("--corpus-*: {e}"))?;
+        let label = s.to_string();
+        let src = Source::Spec(s);
+        let pages = src.pages();
+        let sizes: Vec<u64> = drams
+            .iter()
+            .map(|d| parse_dram(d, pages))
+            .collect::<Result<_>>()?;
+        let jobs: Vec<Job> = sizes
+            .iter()
+            .flat_map(|&d| {
+                std::iter::once("memtide").chain(ONLINE).map(move |p| Job {
+                    policy: p.into(),
+                    dram_pages: d,
+                })
+            })
+            .collect();
+        let out = simulate(&src, &jobs, &lat, threads, &|_, _| {})?;
+        for &d in &sizes {
+            let at: Vec<_> = out
+                .iter()
+                .filter(|o| o.dram_pages == d.min(pages))
+                .collect();
+            let mt = at
+                .iter()
+                .find(|o| o.policy == "memtide")
+                .expect("memtide ran");
+            let best = at
+                .iter()
+                .filter(|o| o.policy != "memtide")
+                .min_by_key(|o| o.misses)
+                .expect("online policies ran");
+            let ratio = match (mt.misses, best.misses) {
+                (0, _) => 1.0,
+                (m, 0) => m as f64,
+                (m, b) => m as f64 / b as f64,
+            };
+            worst = worst.max(ratio);
+            log_sum += ratio.ln();
+            if mt.misses <= best.misses {
+                at_or_below += 1;
+            }
+            let soft = mt.soft_faults as f64 / mt.accesses.max(1) as f64;
+            println!(
+                "{:<44} {:>5} {:>8} {:>8.3}% {:>8.3}% {:>7.3}x {:>7.1}%",
+                short_label(&label),
+                format!("{:.0}%", d as f64 / pages as f64 * 100.0),
+                best.policy,
+                best.miss_ratio() * 100.0,
+                mt.miss_ratio() * 100.0,
+                ratio,
+                soft * 100.0
+            );
+            rows.push(serde_json::json!({
+                "workload": label,
+                "dram_fraction": d as f64 / pages as f64,
+                "outcomes": at,
+                "best_online": best.policy,
+                "memtide_vs_best": ratio,
+            }));
+        }
+    }
+    let n = rows.len();
+    println!(
+        "\nmemtide at or below the best online policy on {at_or_below} of {n} rows; worst {worst:.3}x, \
+         geometric mean {:.3}x ({:.0} s)",
+        (log_sum / n as f64).exp(),
+        start.elapsed().as_secs_f64()
+    );
+    println!(
+        "memtide sees what the engine sees (first touches, misses, hint faults on pages it \
+         staged: soft/acc); the others see every access"
+    );
+    if let Some(p) = &a.json {
+        memtide_bench::report::write_json(p, &serde_json::json!({ "rows": rows }))?;
     }
     Ok(ExitCode::SUCCESS)
 }

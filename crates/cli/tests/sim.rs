@@ -30,6 +30,86 @@ fn bad_input_is_one_line() {
         &["sim", "--workload", "uniform", "--policy", "fifo"],
         "unknown policy",
     );
+    fails_with(
+        &["sim", "--workload", "uniform", "--trace-format", "csv"],
+        "--trace-format describes a --trace file",
+    );
+}
+
+#[test]
+fn csv_and_oracle_general_traces_replay_alike() {
+    let s = Scratch::new("simforeign");
+    // 50,000 accesses to 4,000 objects with arbitrary ids, a third of them to 200 hot ones.
+    let mut x = 88172645463325252u64;
+    let ids: Vec<u64> = (0..50_000)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let k = if x.is_multiple_of(3) {
+                x % 200
+            } else {
+                x % 4000
+            };
+            k * 1_000_003 + 17
+        })
+        .collect();
+    let mut csv = String::from("timestamp,obj_id,obj_size\n");
+    let mut bin = Vec::new();
+    for (t, id) in ids.iter().enumerate() {
+        csv += &format!("{t},{id},4096\n");
+        bin.extend((t as u32).to_le_bytes());
+        bin.extend(id.to_le_bytes());
+        bin.extend(4096u32.to_le_bytes());
+        bin.extend((-1i64).to_le_bytes());
+    }
+    std::fs::write(s.path().join("t.csv"), csv).unwrap();
+    std::fs::write(s.path().join("t.oracleGeneral.bin"), bin).unwrap();
+    let run = |file: &str| -> serde_json::Value {
+        let json = s.path().join(format!("{file}.json"));
+        let o = memtide()
+            .args([
+                "sim",
+                "--dram",
+                "10%",
+                "--policy",
+                "lru,s3fifo,memtide",
+                "--trace",
+            ])
+            .arg(s.path().join(file))
+            .arg("--json")
+            .arg(&json)
+            .arg("--plot")
+            .arg(s.path().join("unused.svg"))
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap()
+    };
+    let a = run("t.csv");
+    let b = run("t.oracleGeneral.bin");
+    let distinct = ids.iter().collect::<std::collections::HashSet<_>>().len() as u64;
+    for i in 0..3 {
+        let (oa, ob) = (&a["results"][i]["outcome"], &b["results"][i]["outcome"]);
+        assert_eq!(oa, ob);
+        assert_eq!(oa["first_touches"].as_u64(), Some(distinct));
+        let with_first = a["results"][i]["miss_ratio_with_first_touches"]
+            .as_f64()
+            .unwrap();
+        let misses = oa["misses"].as_u64().unwrap();
+        assert!(misses > 0);
+        assert!((with_first - (misses + distinct) as f64 / 50_000.0).abs() < 1e-12);
+    }
+    fails_with(
+        &[
+            "sim",
+            "--trace",
+            s.path().join("t.csv").to_str().unwrap(),
+            "--trace-format",
+            "mtt",
+        ],
+        "not a memtide trace",
+    );
 }
 
 #[test]
@@ -55,10 +135,10 @@ fn replay_writes_json_with_opt_lowest() {
     assert!(o.status.success(), "{}", stderr(&o));
     // The sweep's plot: one line per policy.
     let svg = std::fs::read_to_string(s.path().join("sim.svg")).unwrap();
-    assert_eq!(svg.matches("<polyline").count(), 5, "{svg}");
+    assert_eq!(svg.matches("<polyline").count(), 10, "{svg}");
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let rows = v["results"].as_array().unwrap();
-    assert_eq!(rows.len(), 10);
+    assert_eq!(rows.len(), 20);
     for frac in [0.25, 0.5] {
         let at: Vec<_> = rows
             .iter()
@@ -69,7 +149,9 @@ fn replay_writes_json_with_opt_lowest() {
                 .as_u64()
                 .unwrap()
         };
-        for p in ["memtide", "lru", "clock", "lfu"] {
+        for p in [
+            "memtide", "lru", "clock", "arc", "2q", "s3fifo", "sieve", "lfu", "gclock",
+        ] {
             assert!(misses("opt") <= misses(p), "{p} at {frac}");
             assert!(misses(p) > 0, "{p} at {frac} should miss");
         }

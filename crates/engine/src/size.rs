@@ -45,7 +45,8 @@ pub fn format(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = bytes as f64;
     let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
+    // A value that would print as 1024.00 goes up a unit (1 GiB less a page is "1.00 GiB").
+    while v >= 1023.995 && u + 1 < UNITS.len() {
         v /= 1024.0;
         u += 1;
     }
@@ -82,5 +83,7 @@ mod tests {
     fn formats() {
         assert_eq!(format(512), "512 B");
         assert_eq!(format(3 << 29), "1.50 GiB");
+        assert_eq!(format((1 << 30) - 4096), "1.00 GiB");
+        assert_eq!(format(1023), "1023 B");
     }
 }

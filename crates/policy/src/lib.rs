@@ -6,8 +6,10 @@
 //! [`Clock`] (which resident pages to deactivate, through [`SweepPages`]), [`Watermarks`] (how
 //! far below the quota DRAM is kept, and [`Watermarks::relieve`], the pressure-relief loop,
 //! through [`Relieve`]), [`ahead`] (how much a fault brings in), [`EpochClock`] and
-//! [`health`]. The engine and the simulator each implement the two traits over their own
-//! page state, so both run exactly this code.
+//! [`health`]. The engine and the simulator (as `memtide-v1`) each implement the two traits
+//! over their own page state, so both run exactly this code. [`Placement`] (S3-FIFO's small
+//! queue before a SIEVE main queue, through [`Pages`]) is its successor; the simulator runs it
+//! as `memtide`, the engine does not yet.
 //!
 //! # The model
 //!
@@ -22,9 +24,11 @@
 pub mod ahead;
 pub mod clock;
 pub mod health;
+pub mod placement;
 
 pub use clock::{Clock, Relief, Relieve, Sweep, SweepPages};
 pub use health::{Health, HealthThresholds};
+pub use placement::{Evicted, Pages, Placement, Queue, Residence};
 
 /// Size of a page, the unit of placement.
 pub const PAGE_SIZE: usize = 4096;

@@ -3,6 +3,7 @@
 //! Entry points: [`workload::Spec`], [`simulate`].
 #![forbid(unsafe_code)]
 
+pub mod import;
 pub mod memmode;
 pub mod plan;
 pub mod policies;
@@ -86,15 +87,31 @@ impl Source {
 }
 
 /// The policies `--policy all` means.
-pub const ALL_POLICIES: [&str; 5] = ["memtide", "lru", "clock", "lfu", "opt"];
+pub const ALL_POLICIES: [&str; 10] = [
+    "memtide", "lru", "clock", "arc", "2q", "s3fifo", "sieve", "lfu", "gclock", "opt",
+];
 
-/// Every policy the simulator knows (`memory-mode` is the direct-mapped DRAM cache model).
-pub const KNOWN_POLICIES: [&str; 6] = ["memtide", "lru", "clock", "lfu", "opt", "memory-mode"];
+/// Every policy the simulator knows (`memory-mode` is the direct-mapped DRAM cache model,
+/// `memtide-v1` the engine's first policy).
+pub const KNOWN_POLICIES: [&str; 12] = [
+    "memtide",
+    "lru",
+    "clock",
+    "arc",
+    "2q",
+    "s3fifo",
+    "sieve",
+    "lfu",
+    "gclock",
+    "opt",
+    "memory-mode",
+    "memtide-v1",
+];
 
 /// Why a simulation could not run.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum SimError {
-    #[error("unknown policy `{0}`: choose from memtide, lru, clock, lfu, opt, memory-mode, all")]
+    #[error("unknown policy `{0}`: choose from {list}, all", list = KNOWN_POLICIES.join(", "))]
     Policy(String),
     #[error("the footprint has {0} pages; the simulator handles at most 2^32")]
     TooLarge(u64),

@@ -1,0 +1,521 @@
+//! Which pages leave DRAM: S3-FIFO's small queue in front of a SIEVE main queue, with unmapping
+//! as the reference bit. Entry point: [`Placement`].
+//!
+//! # What the engine can see
+//!
+//! The engine learns of an access only when the program faults: on a first touch, on a page
+//! it must read from tier 1, and on a page it unmapped on purpose while keeping it in DRAM
+//! (*staged*: a hint fault maps it back). A mapped page is invisible. So a page's reference
+//! bit is its mapping: staging a page clears the bit, a hint fault sets it again.
+//!
+//! # The structure
+//!
+//! A page that comes into DRAM joins the small FIFO queue S (10% of the quota), unless it left
+//! S not long ago (it has a recent *ghost* stamp), in which case it joins the main queue M.
+//! Either way it is staged soon after ([`Placement::probe`]): a page the program uses again
+//! shows itself by a hint fault. When pages must leave DRAM ([`Placement::evict`]):
+//!
+//! - while S holds more than its share, S's oldest page goes: into M if it was used after it
+//!   was staged (staged again there: it must be used again to stay), out of DRAM otherwise,
+//!   leaving a ghost stamp;
+//! - otherwise SIEVE's hand walks M from its oldest end towards its newest: a mapped page
+//!   (used since the hand last passed) is staged and keeps its place, the first page still
+//!   staged leaves DRAM, and the hand stays where it stopped.
+//!
+//! Pages touched once (a scan, a one-off lookup, a GC pass) go through S and out again
+//! without disturbing M. Each page in M costs at most one hint fault per pass of the hand.
+//! Ghosts are stamps in a byte per page (the generation of S evictions, modulo 256), recent
+//! for about as many S evictions as M holds pages (S3-FIFO's ghost queue size); no allocation
+//! per page. The simulator drives this structure through [`Pages`] (policy `memtide`); the
+//! engine does not run it yet.
+
+use std::collections::VecDeque;
+
+/// The queue a page in DRAM belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Queue {
+    /// New pages, on probation.
+    Small,
+    /// Pages used more than once.
+    Main,
+}
+
+/// Where a page is, as the engine knows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Residence {
+    /// In DRAM and mapped: used since it was last staged (or never staged).
+    Mapped,
+    /// In DRAM, unmapped: not used since it was staged.
+    Staged,
+    /// Not placement's to move now (pinned, or in flight).
+    Busy,
+    /// No longer in DRAM, and not by placement's choice (the program freed it, or it moved):
+    /// placement drops it, without a ghost.
+    Gone,
+}
+
+/// The engine's side: what a page is, and the two moves placement asks for.
+pub trait Pages {
+    fn residence(&mut self, i: usize) -> Residence;
+    /// Unmaps page `i` into staging (it stays in DRAM); false if it cannot now.
+    fn stage(&mut self, i: usize) -> bool;
+    /// Takes page `i` out of DRAM (writing it to tier 1 if needed); false if it cannot now.
+    fn evict(&mut self, i: usize) -> bool;
+}
+
+/// Per-page flags.
+const IN_SMALL: u8 = 1;
+const IN_MAIN: u8 = 2;
+/// Staged by the probe since it joined S.
+const PROBED: u8 = 4;
+/// Out of DRAM, with a ghost stamp.
+const GHOST: u8 = 8;
+/// Kept by the compaction under way (see [`Placement::compact`]).
+const KEPT: u8 = 16;
+
+/// Generations a ghost stays recent.
+const GHOST_GENERATIONS: u8 = 16;
+
+/// No page (links are stored +1, so zeroed memory means "none").
+const NIL: u32 = 0;
+
+/// The placement policy over pages `0..pages`.
+pub struct Placement {
+    small_target: u64,
+    small: VecDeque<u32>,
+    /// Pages that came in and are not staged yet, oldest first.
+    arrivals: VecDeque<u32>,
+    /// M as a doubly linked list, head = newest; links and ends are page + 1.
+    newer: Vec<u32>,
+    older: Vec<u32>,
+    main_head: u32,
+    main_tail: u32,
+    main_len: u64,
+    small_len: u64,
+    hand: u32,
+    flags: Vec<u8>,
+    stamp: Vec<u8>,
+    small_evictions: u64,
+    generation_len: u64,
+    stage_limit: u64,
+}
+
+/// What one call of [`Placement::evict`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Evicted {
+    pub from_small: u64,
+    pub from_main: u64,
+    /// Pages moved from S to M (used after they were staged).
+    pub promoted: u64,
+    /// Pages the hand staged in M on its way.
+    pub staged: u64,
+}
+
+impl Evicted {
+    pub fn total(&self) -> u64 {
+        self.from_small + self.from_main
+    }
+}
+
+impl Placement {
+    /// Placement for `pages` pages and a quota of `quota` pages. The per-page arrays start
+    /// zeroed (untouched memory costs nothing until used).
+    pub fn new(pages: usize, quota: u64) -> Placement {
+        let quota = quota.max(1);
+        let small_target = (quota / 10).max(1);
+        Placement {
+            small_target,
+            small: VecDeque::new(),
+            arrivals: VecDeque::new(),
+            newer: vec![NIL; pages],
+            older: vec![NIL; pages],
+            main_head: NIL,
+            main_tail: NIL,
+            main_len: 0,
+            small_len: 0,
+            hand: NIL,
+            flags: vec![0; pages],
+            stamp: vec![0; pages],
+            small_evictions: 0,
+            generation_len: (quota - small_target)
+                .div_ceil(GHOST_GENERATIONS as u64)
+                .max(1),
+            stage_limit: u64::MAX,
+        }
+    }
+
+    /// Caps the pages one call of [`evict`](Self::evict) stages in M (the hand resumes where
+    /// it stopped on the next call): each staging is a page move for the engine, and a call
+    /// that must first stage all of M would hold DRAM-starved threads for all of them.
+    pub fn set_stage_limit(&mut self, pages: u64) {
+        self.stage_limit = pages.max(1);
+    }
+
+    /// Pages in S and in M.
+    pub fn small_len(&self) -> u64 {
+        self.small_len
+    }
+
+    pub fn main_len(&self) -> u64 {
+        self.main_len
+    }
+
+    /// Bytes of state per page (links, flags, stamp).
+    pub const BYTES_PER_PAGE: u64 = 10;
+
+    fn generation(&self) -> u8 {
+        (self.small_evictions / self.generation_len) as u8
+    }
+
+    /// Page `i` came into DRAM (a first touch or a read from tier 1) and is mapped: it joins M
+    /// if it left S recently, S otherwise. Returns the queue. A page placement still holds
+    /// (the engine reports arrivals after the fact: the page may have been freed and touched
+    /// again meanwhile) keeps its place and is probed again.
+    pub fn arrived(&mut self, i: usize) -> Queue {
+        let f = self.flags[i];
+        if f & (IN_SMALL | IN_MAIN) != 0 {
+            self.flags[i] &= !PROBED;
+            self.arrivals.push_back(i as u32);
+            return if f & IN_MAIN != 0 {
+                Queue::Main
+            } else {
+                Queue::Small
+            };
+        }
+        let ghost =
+            f & GHOST != 0 && self.generation().wrapping_sub(self.stamp[i]) < GHOST_GENERATIONS;
+        if self.small.len() as u64 > 2 * self.small_len + 1024
+            || self.arrivals.len() as u64 > 2 * (self.small_len + self.main_len) + 1024
+        {
+            self.compact();
+        }
+        self.arrivals.push_back(i as u32);
+        if ghost {
+            self.flags[i] = IN_MAIN;
+            self.push_main(i);
+            Queue::Main
+        } else {
+            self.flags[i] = IN_SMALL;
+            self.small.push_back(i as u32);
+            self.small_len += 1;
+            Queue::Small
+        }
+    }
+
+    /// Whether page `i` is in S or M.
+    pub fn holds(&self, i: usize) -> bool {
+        self.flags[i] & (IN_SMALL | IN_MAIN) != 0
+    }
+
+    /// Page `i` left DRAM without placement choosing it (the program freed it, or the engine
+    /// dropped it): it leaves its queue and has no ghost.
+    pub fn forget(&mut self, i: usize) {
+        let f = self.flags[i];
+        if f & IN_MAIN != 0 {
+            self.unlink_main(i);
+        } else if f & IN_SMALL != 0 {
+            // Its S entry (and arrival entry) go stale and are skipped.
+            self.small_len -= 1;
+        }
+        self.flags[i] = 0;
+    }
+
+    /// Stages pages that came in since the last call (up to `want`), so that a page used again
+    /// shows itself. Returns how many it staged.
+    pub fn probe(&mut self, pages: &mut impl Pages, want: u64) -> u64 {
+        let mut staged = 0;
+        while staged < want {
+            let Some(i) = self.arrivals.pop_front() else {
+                break;
+            };
+            let i = i as usize;
+            let f = self.flags[i];
+            if f & (IN_SMALL | IN_MAIN) == 0 || f & PROBED != 0 {
+                continue;
+            }
+            match pages.residence(i) {
+                Residence::Mapped => {
+                    if pages.stage(i) {
+                        staged += 1;
+                    }
+                }
+                Residence::Gone => {
+                    self.forget(i);
+                    continue;
+                }
+                Residence::Staged | Residence::Busy => {}
+            }
+            self.flags[i] |= PROBED;
+        }
+        staged
+    }
+
+    /// Takes up to `want` pages out of DRAM, as the module documentation describes.
+    pub fn evict(&mut self, pages: &mut impl Pages, want: u64) -> Evicted {
+        let mut done = Evicted::default();
+        // The hand goes round M at most twice per call: once to stage, once to find.
+        let mut steps_left = 2 * self.main_len + 2;
+        // S's entries are looked at most once per call (busy ones go to the back).
+        let mut small_left = self.small.len() as u64;
+        while done.total() < want {
+            if (self.small_len > self.small_target || self.main_len == 0) && small_left > 0 {
+                if let Some(i) = self.small.pop_front() {
+                    small_left -= 1;
+                    self.evict_small(pages, i as usize, &mut done);
+                    continue;
+                }
+            }
+            if self.main_len == 0 || steps_left == 0 {
+                break;
+            }
+            steps_left -= 1;
+            let v = match self.hand {
+                NIL => self.main_tail,
+                h => h,
+            };
+            let i = (v - 1) as usize;
+            // The hand moves on towards the head, wrapping to the tail.
+            self.hand = self.newer[i];
+            match pages.residence(i) {
+                Residence::Mapped => {
+                    if pages.stage(i) {
+                        done.staged += 1;
+                        if done.staged >= self.stage_limit {
+                            break;
+                        }
+                    }
+                }
+                Residence::Staged => {
+                    if pages.evict(i) {
+                        self.unlink_main(i);
+                        self.flags[i] = 0;
+                        done.from_main += 1;
+                    }
+                }
+                Residence::Busy => {}
+                Residence::Gone => self.forget(i),
+            }
+        }
+        done
+    }
+
+    /// Drops stale and repeated entries from S and the arrivals (pages forgotten, or forgotten
+    /// and come back), keeping each page's oldest valid entry.
+    fn compact(&mut self) {
+        let flags = &mut self.flags;
+        let mut keep = |q: &mut VecDeque<u32>, valid: u8| {
+            q.retain(|&i| {
+                let f = &mut flags[i as usize];
+                let ok = *f & valid != 0 && *f & KEPT == 0;
+                if ok {
+                    *f |= KEPT;
+                }
+                ok
+            });
+            for &i in q.iter() {
+                flags[i as usize] &= !KEPT;
+            }
+        };
+        keep(&mut self.small, IN_SMALL);
+        keep(&mut self.arrivals, IN_SMALL | IN_MAIN);
+    }
+
+    fn evict_small(&mut self, pages: &mut impl Pages, i: usize, done: &mut Evicted) {
+        let f = self.flags[i];
+        if f & IN_SMALL == 0 {
+            return; // stale: forgotten since
+        }
+        match pages.residence(i) {
+            Residence::Mapped if f & PROBED != 0 => {
+                // Used after it was staged: into M, staged again there.
+                self.small_len -= 1;
+                self.flags[i] = IN_MAIN;
+                self.push_main(i);
+                pages.stage(i);
+                done.promoted += 1;
+            }
+            Residence::Mapped | Residence::Staged => {
+                if pages.evict(i) {
+                    self.small_len -= 1;
+                    self.flags[i] = GHOST;
+                    self.stamp[i] = self.generation();
+                    self.small_evictions += 1;
+                    done.from_small += 1;
+                } else {
+                    self.small.push_back(i as u32);
+                }
+            }
+            Residence::Busy => {
+                // Pinned or in flight: it waits at the back.
+                self.small.push_back(i as u32);
+            }
+            Residence::Gone => {
+                self.small_len -= 1;
+                self.flags[i] = 0;
+            }
+        }
+    }
+
+    fn push_main(&mut self, i: usize) {
+        let v = i as u32 + 1;
+        self.newer[i] = NIL;
+        self.older[i] = self.main_head;
+        if self.main_head != NIL {
+            self.newer[(self.main_head - 1) as usize] = v;
+        }
+        self.main_head = v;
+        if self.main_tail == NIL {
+            self.main_tail = v;
+        }
+        self.main_len += 1;
+    }
+
+    fn unlink_main(&mut self, i: usize) {
+        let v = i as u32 + 1;
+        let (a, b) = (self.newer[i], self.older[i]);
+        if self.hand == v {
+            self.hand = a;
+        }
+        if a == NIL {
+            self.main_head = b;
+        } else {
+            self.older[(a - 1) as usize] = b;
+        }
+        if b == NIL {
+            self.main_tail = a;
+        } else {
+            self.newer[(b - 1) as usize] = a;
+        }
+        self.newer[i] = NIL;
+        self.older[i] = NIL;
+        self.main_len -= 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pages as a toy engine keeps them.
+    struct Toy {
+        res: Vec<Residence>,
+        out: Vec<usize>,
+    }
+
+    impl Toy {
+        fn new(pages: usize) -> Toy {
+            Toy {
+                res: vec![Residence::Busy; pages],
+                out: Vec::new(),
+            }
+        }
+        /// The program touches page `i`, which is in DRAM.
+        fn touch(&mut self, i: usize) {
+            self.res[i] = Residence::Mapped;
+        }
+    }
+
+    impl Pages for Toy {
+        fn residence(&mut self, i: usize) -> Residence {
+            self.res[i]
+        }
+        fn stage(&mut self, i: usize) -> bool {
+            self.res[i] = Residence::Staged;
+            true
+        }
+        fn evict(&mut self, i: usize) -> bool {
+            self.res[i] = Residence::Busy;
+            self.out.push(i);
+            true
+        }
+    }
+
+    fn arrive(p: &mut Placement, m: &mut Toy, i: usize) -> Queue {
+        m.res[i] = Residence::Mapped;
+        let q = p.arrived(i);
+        p.probe(m, u64::MAX);
+        q
+    }
+
+    #[test]
+    fn pages_used_once_pass_through_small_and_main_is_kept() {
+        // Quota 20: S's share is 2. Pages 0..4 are used again after probing.
+        let mut p = Placement::new(40, 20);
+        let mut m = Toy::new(40);
+        for i in 0..4 {
+            arrive(&mut p, &mut m, i);
+            m.touch(i);
+        }
+        // A scan of 20 new pages, never used again, in 10 pages of DRAM.
+        for i in 4..24 {
+            if p.small_len() + p.main_len() >= 10 {
+                assert_eq!(p.evict(&mut m, 1).total(), 1);
+            }
+            assert_eq!(arrive(&mut p, &mut m, i), Queue::Small);
+        }
+        // The four used pages went to M on their way out of S; every eviction was a scanned
+        // page, oldest first.
+        assert_eq!(p.main_len(), 4);
+        assert_eq!(m.out, (4..18).collect::<Vec<_>>());
+        // A scanned page that comes back soon joins M directly.
+        assert_eq!(arrive(&mut p, &mut m, 4), Queue::Main);
+    }
+
+    #[test]
+    fn sieve_hand_spares_used_pages_and_stays_where_it_stopped() {
+        // Quota 10 (S's share 1); four pages in M, oldest first 0, 1, 2, 3.
+        let mut p = Placement::new(8, 10);
+        let mut m = Toy::new(8);
+        for i in 0..4 {
+            p.flags[i] = IN_MAIN;
+            p.push_main(i);
+            m.res[i] = Residence::Mapped;
+        }
+        // All four are mapped (used): the hand stages them all, wraps, and takes page 0.
+        let e = p.evict(&mut m, 1);
+        assert_eq!((e.from_main, e.staged), (1, 4));
+        assert_eq!(m.out, [0]);
+        // Page 2 is used again: the hand, now at page 1, takes it at once (still staged).
+        m.touch(2);
+        p.evict(&mut m, 1);
+        assert_eq!(m.out, [0, 1]);
+        // Next it passes page 2 (used: staged, kept) and takes page 3.
+        p.evict(&mut m, 1);
+        assert_eq!(m.out, [0, 1, 3]);
+        assert_eq!(m.res[2], Residence::Staged);
+        assert_eq!(p.main_len(), 1);
+    }
+
+    #[test]
+    fn ghosts_are_recent_for_about_as_many_evictions_as_main_holds() {
+        // Quota 160: M's share 144, 9 S evictions per generation, 16 generations.
+        let mut p = Placement::new(4, 160);
+        let mut m = Toy::new(4);
+        arrive(&mut p, &mut m, 0);
+        p.small_target = 0;
+        assert_eq!(p.evict(&mut m, 1).from_small, 1);
+        p.small_evictions += 142;
+        assert_eq!(arrive(&mut p, &mut m, 0), Queue::Main);
+        // Out of M, a page keeps no ghost.
+        p.forget(0);
+        assert_eq!(arrive(&mut p, &mut m, 0), Queue::Small);
+        p.evict(&mut m, 1);
+        p.small_evictions += 144;
+        assert_eq!(arrive(&mut p, &mut m, 0), Queue::Small);
+    }
+
+    #[test]
+    fn a_forgotten_page_leaves_its_queue() {
+        let mut p = Placement::new(8, 10);
+        let mut m = Toy::new(8);
+        for i in 0..3 {
+            arrive(&mut p, &mut m, i);
+        }
+        p.forget(1);
+        m.res[1] = Residence::Busy;
+        assert_eq!(p.small_len(), 2);
+        p.small_target = 0;
+        assert_eq!(p.evict(&mut m, 5).total(), 2);
+        assert_eq!(m.out, [0, 2]);
+    }
+}
