@@ -432,11 +432,12 @@ fn corpus(a: &SimArgs) -> Result<ExitCode> {
     };
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
-        "{:<44} {:>5} {:>8} {:>9} {:>9} {:>8} {:>8}",
-        "workload", "DRAM", "best", "best %", "memtide %", "ratio", "soft/acc"
+        "{:<44} {:>5} {:>8} {:>9} {:>9} {:>8} {:>8} {:>7}",
+        "workload", "DRAM", "best", "best %", "memtide %", "ratio", "soft/acc", "time"
     );
     let start = std::time::Instant::now();
     let (mut rows, mut worst, mut log_sum, mut at_or_below) = (Vec::new(), 0f64, 0f64, 0);
+    let mut time_log_sum = 0f64;
     for family in CORPUS {
         let (kind, rest) = family.split_once(':').unwrap_or((family, ""));
         let spec = format!(
@@ -490,15 +491,19 @@ fn corpus(a: &SimArgs) -> Result<ExitCode> {
                 at_or_below += 1;
             }
             let soft = mt.soft_faults as f64 / mt.accesses.max(1) as f64;
+            // Estimated time against the best policy's, hint faults included.
+            let time = mt.slowdown(&lat) / best.slowdown(&lat);
+            time_log_sum += time.ln();
             println!(
-                "{:<44} {:>5} {:>8} {:>8.3}% {:>8.3}% {:>7.3}x {:>7.1}%",
+                "{:<44} {:>5} {:>8} {:>8.3}% {:>8.3}% {:>7.3}x {:>7.1}% {:>6.3}x",
                 short_label(&label),
                 format!("{:.0}%", d as f64 / pages as f64 * 100.0),
                 best.policy,
                 best.miss_ratio() * 100.0,
                 mt.miss_ratio() * 100.0,
                 ratio,
-                soft * 100.0
+                soft * 100.0,
+                time
             );
             rows.push(serde_json::json!({
                 "workload": label,
@@ -506,6 +511,7 @@ fn corpus(a: &SimArgs) -> Result<ExitCode> {
                 "outcomes": at,
                 "best_online": best.policy,
                 "memtide_vs_best": ratio,
+                "memtide_time_vs_best": time,
             }));
         }
     }
@@ -515,6 +521,14 @@ fn corpus(a: &SimArgs) -> Result<ExitCode> {
          geometric mean {:.3}x ({:.0} s)",
         (log_sum / n as f64).exp(),
         start.elapsed().as_secs_f64()
+    );
+    println!(
+        "estimated time (misses at {:.0} µs, hint faults at {:.0} µs, accesses at {:.0} ns): \
+         geometric mean {:.3}x the best policy's",
+        lat.tier_ns / 1e3,
+        lat.soft_ns / 1e3,
+        lat.dram_ns,
+        (time_log_sum / n as f64).exp()
     );
     println!(
         "memtide sees what the engine sees (first touches, misses, hint faults on pages it \

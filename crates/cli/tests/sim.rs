@@ -208,3 +208,52 @@ fn saved_trace_replays_the_same_and_damage_is_reported() {
     std::fs::write(&trace, &bad).unwrap();
     fails_with(&["sim", "--trace", trace.to_str().unwrap()], "corrupted");
 }
+
+#[test]
+fn corpus_compares_memtide_with_the_best_online_policy_on_every_row() {
+    let s = Scratch::new("sim-corpus");
+    let json = s.path().join("corpus.json");
+    let o = memtide()
+        .args([
+            "sim",
+            "--corpus",
+            "--corpus-footprint",
+            "16MiB",
+            "--corpus-accesses",
+            "200K",
+            "--corpus-warmup",
+            "200K",
+            "--dram",
+            "25%,50%",
+            "--json",
+        ])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("of 24 rows"), "{out}");
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 24, "12 families at 2 DRAM sizes");
+    for r in rows {
+        let outcomes = r["outcomes"].as_array().unwrap();
+        let misses = |p: &str| -> f64 {
+            outcomes.iter().find(|o| o["policy"] == p).unwrap()["misses"]
+                .as_f64()
+                .unwrap()
+        };
+        // The best online policy is the one with the fewest misses, and the ratio is memtide's
+        // misses over its misses.
+        let best = r["best_online"].as_str().unwrap();
+        for p in ["lru", "clock", "arc", "2q", "s3fifo", "sieve"] {
+            assert!(misses(best) <= misses(p), "{best} vs {p}: {r}");
+        }
+        if misses(best) > 0.0 {
+            let want = misses("memtide") / misses(best);
+            let got = r["memtide_vs_best"].as_f64().unwrap();
+            assert!((got - want).abs() < 1e-9, "{got} vs {want}");
+        }
+        assert!(r["memtide_time_vs_best"].as_f64().unwrap() > 0.0);
+    }
+}

@@ -16,14 +16,15 @@
 //! shows itself by a hint fault. When pages must leave DRAM ([`Placement::evict`]):
 //!
 //! - while S holds more than its share, S's oldest page goes: into M if it was used after it
-//!   was staged (staged again there: it must be used again to stay), out of DRAM otherwise,
-//!   leaving a ghost stamp;
-//! - otherwise SIEVE's hand walks M from its oldest end towards its newest: a mapped page
-//!   (used since the hand last passed) is staged and keeps its place, the first page still
-//!   staged leaves DRAM, and the hand stays where it stopped.
+//!   was staged, out of DRAM otherwise, leaving a ghost stamp;
+//! - otherwise SIEVE's hand walks M from its oldest end towards its newest: a mapped page is
+//!   staged and keeps its place (one seen used since it was staged earns credit first, and is
+//!   spared [`CREDIT_ON_USE`] passes before it is staged again), the first page still staged
+//!   leaves DRAM, and the hand stays where it stopped.
 //!
 //! Pages touched once (a scan, a one-off lookup, a GC pass) go through S and out again
-//! without disturbing M. Each page in M costs at most one hint fault per pass of the hand.
+//! without disturbing M. A page in M in steady use costs a hint fault every
+//! `CREDIT_ON_USE + 1` passes of the hand.
 //! Ghosts are stamps in a byte per page (the generation of S evictions, modulo 256), recent
 //! for about as many S evictions as M holds pages (S3-FIFO's ghost queue size); no allocation
 //! per page. The simulator drives this structure through [`Pages`] (policy `memtide`); the
@@ -72,6 +73,17 @@ const PROBED: u8 = 4;
 const GHOST: u8 = 8;
 /// Kept by the compaction under way (see [`Placement::compact`]).
 const KEPT: u8 = 16;
+/// Staged by placement and not seen used since.
+const STAGED: u8 = 32;
+/// Passes of the hand a page in M may still skip without being staged (2 bits).
+const CREDIT_SHIFT: u8 = 6;
+const CREDIT: u8 = 3 << CREDIT_SHIFT;
+/// Passes a page of M that was seen used skips before the hand stages it again. Each staging
+/// of a page in use costs a hint fault; with 1 a hot page pays one every other pass instead of
+/// every pass. On the simulator's corpus (`memtide sim --corpus`), misses against the best
+/// online policy's, geometric mean: 1.045x with 0, 1.033x with 1, 1.039x with 2, 1.042x with
+/// 3; estimated time with hint faults at 20 µs: 1.23x, 1.20x, 1.17x, 1.16x.
+pub const CREDIT_ON_USE: u8 = 1;
 
 /// Generations a ghost stays recent.
 const GHOST_GENERATIONS: u8 = 16;
@@ -237,6 +249,7 @@ impl Placement {
                 Residence::Mapped => {
                     if pages.stage(i) {
                         staged += 1;
+                        self.flags[i] |= STAGED;
                     }
                 }
                 Residence::Gone => {
@@ -278,7 +291,7 @@ impl Placement {
             self.hand = self.newer[i];
             match pages.residence(i) {
                 Residence::Mapped => {
-                    if pages.stage(i) {
+                    if self.judge(pages, i) {
                         done.staged += 1;
                         if done.staged >= self.stage_limit {
                             break;
@@ -329,9 +342,9 @@ impl Placement {
             Residence::Mapped if f & PROBED != 0 => {
                 // Used after it was staged: into M, staged again there.
                 self.small_len -= 1;
-                self.flags[i] = IN_MAIN;
+                self.flags[i] = IN_MAIN | STAGED;
                 self.push_main(i);
-                pages.stage(i);
+                self.judge(pages, i);
                 done.promoted += 1;
             }
             Residence::Mapped | Residence::Staged => {
@@ -354,6 +367,28 @@ impl Placement {
                 self.flags[i] = 0;
             }
         }
+    }
+
+    /// Page `i` of M is mapped: used since placement staged it (it earns the credit of a use),
+    /// or never staged since its credit ran out. Spends a pass of credit if it has any;
+    /// otherwise stages it. Returns whether it staged it.
+    fn judge(&mut self, pages: &mut impl Pages, i: usize) -> bool {
+        let f = self.flags[i];
+        let mut credit = (f & CREDIT) >> CREDIT_SHIFT;
+        if f & STAGED != 0 {
+            credit = CREDIT_ON_USE;
+        }
+        let rest = f & !(STAGED | CREDIT);
+        if credit > 0 {
+            self.flags[i] = rest | (credit - 1) << CREDIT_SHIFT;
+            return false;
+        }
+        self.flags[i] = rest;
+        let staged = pages.stage(i);
+        if staged {
+            self.flags[i] |= STAGED;
+        }
+        staged
     }
 
     fn push_main(&mut self, i: usize) {
@@ -479,11 +514,18 @@ mod tests {
         m.touch(2);
         p.evict(&mut m, 1);
         assert_eq!(m.out, [0, 1]);
-        // Next it passes page 2 (used: staged, kept) and takes page 3.
+        // Next it passes page 2 (used since it was staged: it earns credit and is spared,
+        // mapped, for this pass) and takes page 3.
         p.evict(&mut m, 1);
         assert_eq!(m.out, [0, 1, 3]);
-        assert_eq!(m.res[2], Residence::Staged);
+        assert_eq!(m.res[2], Residence::Mapped);
         assert_eq!(p.main_len(), 1);
+        // Page 2 alone: the next pass stages it, and the one after finds it still staged and
+        // takes it.
+        assert_eq!(CREDIT_ON_USE, 1);
+        let e = p.evict(&mut m, 1);
+        assert_eq!((e.from_main, e.staged), (1, 1));
+        assert_eq!(m.out, [0, 1, 3, 2]);
     }
 
     #[test]
