@@ -47,9 +47,14 @@ impl Swap {
 }
 
 impl Drop for Swap {
+    /// Turns the swap file off and removes it, and its directory once empty (an active swap
+    /// file cannot be unlinked, so the test's own cleanup cannot remove either before this).
     fn drop(&mut self) {
         let _ = Command::new("swapoff").arg(&self.0).status();
         let _ = std::fs::remove_file(&self.0);
+        if let Some(dir) = self.0.parent() {
+            let _ = std::fs::remove_dir(dir);
+        }
     }
 }
 
