@@ -2,14 +2,7 @@
 //! and departure count in an [`Outcome`]), and doubly linked lists threaded through per-page
 //! arrays, so that a page can sit on one of several lists without any allocation per page.
 
-use super::Outcome;
-
-pub(super) const NIL: u32 = u32::MAX;
-
-const NEVER: u8 = 0;
-const IN_DRAM: u8 = 1;
-const OUT: u8 = 2;
-const DIRTY: u8 = 4;
+use super::{Outcome, DIRTY, IN_DRAM, NEVER, NIL, OUT};
 
 /// Which pages are in DRAM, which were touched before, which were written since they were
 /// last in tier 1.

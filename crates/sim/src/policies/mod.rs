@@ -18,6 +18,8 @@ mod sieve;
 mod tide;
 mod twoq;
 
+use lists::Residency;
+
 pub use arc::Arc;
 pub use lfu::Lfu;
 pub use s3fifo::S3Fifo;
@@ -94,7 +96,7 @@ pub struct Lru {
     len: u64,
     /// `[towards the head, towards the tail]` per page.
     link: Vec<[u32; 2]>,
-    state: Vec<u8>,
+    res: Residency,
     head: u32,
     tail: u32,
 }
@@ -109,7 +111,7 @@ impl Lru {
             cap: cap.max(1),
             len: 0,
             link: vec![[NIL, NIL]; pages as usize],
-            state: vec![NEVER; pages as usize],
+            res: Residency::new(pages),
             head: NIL,
             tail: NIL,
         }
@@ -147,38 +149,28 @@ impl Policy for Lru {
         batch_with_lookahead!(self, batch, o, link)
     }
     fn state_bytes(&self) -> u64 {
-        (self.link.len() * 8 + self.state.len()) as u64
+        self.link.len() as u64 * 8 + self.res.bytes()
     }
     fn access(&mut self, page: u64, write: bool, o: &mut Outcome) {
         let p = page as u32;
-        let st = self.state[p as usize];
-        if st & 3 == IN_DRAM {
+        if self.res.resident(p) {
             if self.head != p {
                 self.unlink(p);
                 self.push_front(p);
             }
         } else {
-            if st & 3 == NEVER {
-                o.first_touches += 1;
-            } else {
-                o.misses += 1;
-            }
             if self.len == self.cap {
                 let v = self.tail;
                 self.unlink(v);
-                o.demotions += 1;
-                if self.state[v as usize] & DIRTY != 0 {
-                    o.writebacks += 1;
-                }
-                self.state[v as usize] = OUT;
+                self.res.leave(v, o);
                 self.len -= 1;
             }
             self.push_front(p);
-            self.state[p as usize] = IN_DRAM | (st & DIRTY);
+            self.res.arrive(p, o);
             self.len += 1;
         }
         if write {
-            self.state[p as usize] |= DIRTY;
+            self.res.write(p);
         }
     }
 }
@@ -189,7 +181,7 @@ pub struct Clock {
     frames: Vec<u32>,
     weight: Vec<u8>,
     frame_of: Vec<u32>,
-    state: Vec<u8>,
+    res: Residency,
     hand: usize,
     used: usize,
     counters: bool,
@@ -202,7 +194,7 @@ impl Clock {
             frames: vec![NIL; cap],
             weight: vec![0; cap],
             frame_of: vec![NIL; pages as usize],
-            state: vec![NEVER; pages as usize],
+            res: Residency::new(pages),
             hand: 0,
             used: 0,
             counters,
@@ -215,7 +207,7 @@ impl Policy for Clock {
         batch_with_lookahead!(self, batch, o, frame_of)
     }
     fn state_bytes(&self) -> u64 {
-        (self.frames.len() * 5 + self.frame_of.len() * 4 + self.state.len()) as u64
+        (self.frames.len() * 5 + self.frame_of.len() * 4) as u64 + self.res.bytes()
     }
     fn name(&self) -> &'static str {
         if self.counters {
@@ -226,8 +218,7 @@ impl Policy for Clock {
     }
     fn access(&mut self, page: u64, write: bool, o: &mut Outcome) {
         let p = page as usize;
-        let st = self.state[p];
-        if st & 3 == IN_DRAM {
+        if self.res.resident(p as u32) {
             let f = self.frame_of[p] as usize;
             self.weight[f] = if self.counters {
                 self.weight[f].saturating_add(1)
@@ -235,11 +226,6 @@ impl Policy for Clock {
                 1
             };
         } else {
-            if st & 3 == NEVER {
-                o.first_touches += 1;
-            } else {
-                o.misses += 1;
-            }
             let f = if self.used < self.frames.len() {
                 self.used += 1;
                 self.used - 1
@@ -248,13 +234,9 @@ impl Policy for Clock {
                     let h = self.hand;
                     self.hand = (self.hand + 1) % self.frames.len();
                     if self.weight[h] == 0 {
-                        let v = self.frames[h] as usize;
-                        o.demotions += 1;
-                        if self.state[v] & DIRTY != 0 {
-                            o.writebacks += 1;
-                        }
-                        self.state[v] = OUT;
-                        self.frame_of[v] = NIL;
+                        let v = self.frames[h];
+                        self.res.leave(v, o);
+                        self.frame_of[v as usize] = NIL;
                         break h;
                     }
                     // Second chance; GCLOCK ages the count by halving.
@@ -264,10 +246,10 @@ impl Policy for Clock {
             self.frames[f] = p as u32;
             self.frame_of[p] = f as u32;
             self.weight[f] = 1;
-            self.state[p] = IN_DRAM | (st & DIRTY);
+            self.res.arrive(p as u32, o);
         }
         if write {
-            self.state[p] |= DIRTY;
+            self.res.write(p as u32);
         }
     }
 }

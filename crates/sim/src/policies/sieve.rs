@@ -3,8 +3,8 @@
 //! clearing visited bits, and evicts the first page it finds unvisited; it stays where it
 //! stopped (wrapping from the head back to the tail), and pages it spares keep their place.
 
-use super::lists::{Links, List, Residency, NIL};
-use super::{Outcome, Policy};
+use super::lists::{Links, List, Residency};
+use super::{Outcome, Policy, NIL};
 
 pub struct Sieve {
     c: u64,

@@ -6,14 +6,10 @@
 
 use memtide_policy::{Pages, Placement, Residence, Watermarks};
 
-use super::{Outcome, Policy};
+use super::{Outcome, Policy, DIRTY, IN_DRAM, NEVER, OUT, STAGED};
 
-const NEVER: u8 = 0;
-const MAPPED: u8 = 1;
-const OUT: u8 = 2;
-const STAGED: u8 = 3;
+/// The bits of a page's state that say where it is (`IN_DRAM`: in DRAM and mapped).
 const WHERE: u8 = 3;
-const DIRTY: u8 = 4;
 
 pub struct Tide {
     state: Vec<u8>,
@@ -62,7 +58,7 @@ struct SimPages<'a> {
 impl Pages for SimPages<'_> {
     fn residence(&mut self, i: usize) -> Residence {
         match self.state[i] & WHERE {
-            MAPPED => Residence::Mapped,
+            IN_DRAM => Residence::Mapped,
             STAGED => Residence::Staged,
             _ => Residence::Busy,
         }
@@ -70,7 +66,7 @@ impl Pages for SimPages<'_> {
 
     fn stage(&mut self, i: usize) -> bool {
         let st = &mut self.state[i];
-        if *st & WHERE == MAPPED {
+        if *st & WHERE == IN_DRAM {
             *st = (*st & !WHERE) | STAGED;
         }
         true
@@ -100,11 +96,11 @@ impl Policy for Tide {
         let p = page as usize;
         let st = self.state[p];
         match st & WHERE {
-            MAPPED => {}
+            IN_DRAM => {}
             STAGED => {
                 // A hint fault: the page is used, and mapped again.
                 o.soft_faults += 1;
-                self.state[p] = (st & !WHERE) | MAPPED;
+                self.state[p] = (st & !WHERE) | IN_DRAM;
             }
             w => {
                 if w == NEVER {
@@ -112,7 +108,7 @@ impl Policy for Tide {
                 } else {
                     o.misses += 1;
                 }
-                self.state[p] = MAPPED | (st & DIRTY);
+                self.state[p] = IN_DRAM | (st & DIRTY);
                 self.resident += 1;
                 self.placement.arrived(p);
                 self.relieve(o);
