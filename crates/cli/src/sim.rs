@@ -35,13 +35,14 @@ pub struct SimArgs {
     /// best online policy's on every row.
     #[arg(long, conflicts_with = "trace")]
     pub corpus: bool,
-    /// With --corpus: each workload's footprint, counted accesses and uncounted warm-up.
-    #[arg(long, requires = "corpus", default_value = "1GiB")]
-    pub corpus_footprint: String,
-    #[arg(long, requires = "corpus", default_value = "5M")]
-    pub corpus_accesses: String,
-    #[arg(long, requires = "corpus", default_value = "5M")]
-    pub corpus_warmup: String,
+    /// With --corpus: each workload's footprint (default 1GiB), counted accesses (default 5M)
+    /// and uncounted warm-up (default 5M).
+    #[arg(long)]
+    pub corpus_footprint: Option<String>,
+    #[arg(long)]
+    pub corpus_accesses: Option<String>,
+    #[arg(long)]
+    pub corpus_warmup: Option<String>,
     /// Replay a recorded trace instead of a synthetic workload: memtide's .mtt, libCacheSim's
     /// oracleGeneral (uncompressed), or CSV (see --trace-format).
     #[arg(long)]
@@ -50,10 +51,10 @@ pub struct SimArgs {
     /// mtt, oracle-general, or csv: one access per line, `id` or `time,id,...`, or a header
     /// naming an obj_id, id, key, page or addr column (addr: a byte address) and optionally an
     /// op column marking writes. Each distinct object is one page; sizes are ignored.
-    #[arg(long, value_parser = trace_format, requires = "trace")]
+    #[arg(long, value_parser = trace_format)]
     pub trace_format: Option<TraceFormat>,
     /// Write the synthetic workload's accesses as a trace (.mtt) to this file.
-    #[arg(long, requires = "workload")]
+    #[arg(long)]
     pub save_trace: Option<PathBuf>,
     /// DRAM sizes to try: percentages of the footprint or sizes, comma-separated (25%,50%,4GiB).
     #[arg(long, value_delimiter = ',')]
@@ -99,6 +100,29 @@ fn trace_format(s: &str) -> Result<TraceFormat, String> {
         .ok_or_else(|| format!("`{s}`: choose auto, mtt, oracle-general or csv"))
 }
 
+/// The latency model: the options, with the tier's latency from a probe result if given.
+fn latency(a: &SimArgs) -> Result<Latency> {
+    let tier_ns = match &a.probe {
+        Some(p) => {
+            let r = memtide_bench::probe::ProbeReport::load(p)?;
+            eprintln!(
+                "tier latency {:.0} µs from {} ({} read p50 {:.0} µs + fault handling)",
+                r.tier_latency_us,
+                p.display(),
+                r.path,
+                r.read_qd1.p50_us
+            );
+            r.tier_latency_us * 1e3
+        }
+        None => a.tier_latency,
+    };
+    Ok(Latency {
+        dram_ns: a.dram_latency.max(1e-3),
+        tier_ns,
+        soft_ns: a.soft_latency,
+    })
+}
+
 fn parse_dram(s: &str, pages: u64) -> Result<u64> {
     let t = s.trim();
     let bytes = if let Some(p) = t.strip_suffix('%') {
@@ -129,14 +153,23 @@ fn parse_dram(s: &str, pages: u64) -> Result<u64> {
 }
 
 pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
+    // Options that belong to another one. (clap's `requires` is not checked when the option
+    // required conflicts with one given, as --workload, --trace and --corpus all do: so here.)
+    if a.trace_format.is_some() && a.trace.is_none() {
+        bail!("--trace-format describes a --trace file; a --workload has no format");
+    }
+    if a.save_trace.is_some() && a.workload.is_none() {
+        bail!("--save-trace writes the accesses of a --workload");
+    }
+    let corpus_sizes = [&a.corpus_footprint, &a.corpus_accesses, &a.corpus_warmup];
+    if !a.corpus && corpus_sizes.iter().any(|o| o.is_some()) {
+        bail!("--corpus-footprint, --corpus-accesses and --corpus-warmup shape --corpus");
+    }
     if a.corpus {
         return corpus(&a);
     }
     if a.dram.is_empty() {
         a.dram = vec!["25%".into(), "50%".into(), "75%".into()];
-    }
-    if a.trace_format.is_some() && a.trace.is_none() {
-        bail!("--trace-format describes a --trace file; a --workload has no format");
     }
     let (spec, label) = match (&a.workload, &a.trace) {
         (Some(w), _) => {
@@ -201,25 +234,7 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
         }
     }
     policies.dedup();
-    let tier_ns = match &a.probe {
-        Some(p) => {
-            let r = memtide_bench::probe::ProbeReport::load(p)?;
-            eprintln!(
-                "tier latency {:.0} µs from {} ({} read p50 {:.0} µs + fault handling)",
-                r.tier_latency_us,
-                p.display(),
-                r.path,
-                r.read_qd1.p50_us
-            );
-            r.tier_latency_us * 1e3
-        }
-        None => a.tier_latency,
-    };
-    let lat = Latency {
-        dram_ns: a.dram_latency.max(1e-3),
-        tier_ns,
-        soft_ns: a.soft_latency,
-    };
+    let lat = latency(&a)?;
     let jobs: Vec<Job> = sizes
         .iter()
         .flat_map(|&d| {
@@ -425,11 +440,7 @@ fn corpus(a: &SimArgs) -> Result<ExitCode> {
     } else {
         a.dram.clone()
     };
-    let lat = Latency {
-        dram_ns: a.dram_latency.max(1e-3),
-        tier_ns: a.tier_latency,
-        soft_ns: a.soft_latency,
-    };
+    let lat = latency(a)?;
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
         "{:<44} {:>5} {:>8} {:>9} {:>9} {:>8} {:>8} {:>7}",
@@ -442,9 +453,9 @@ fn corpus(a: &SimArgs) -> Result<ExitCode> {
         let (kind, rest) = family.split_once(':').unwrap_or((family, ""));
         let spec = format!(
             "{kind}:footprint={},accesses={},warmup={}{}{rest}",
-            a.corpus_footprint,
-            a.corpus_accesses,
-            a.corpus_warmup,
+            a.corpus_footprint.as_deref().unwrap_or("1GiB"),
+            a.corpus_accesses.as_deref().unwrap_or("5M"),
+            a.corpus_warmup.as_deref().unwrap_or("5M"),
             if rest.is_empty() { "" } else { "," }
         );
         let s = Spec::parse(&spec, 4096, |v| size::parse(v).ok())

@@ -34,6 +34,18 @@ fn bad_input_is_one_line() {
         &["sim", "--workload", "uniform", "--trace-format", "csv"],
         "--trace-format describes a --trace file",
     );
+    fails_with(
+        &["sim", "--corpus", "--trace-format", "csv"],
+        "--trace-format describes a --trace file",
+    );
+    fails_with(
+        &["sim", "--corpus", "--save-trace", "x.mtt"],
+        "--save-trace writes the accesses of a --workload",
+    );
+    fails_with(
+        &["sim", "--workload", "uniform", "--corpus-footprint", "2GiB"],
+        "shape --corpus",
+    );
 }
 
 #[test]
