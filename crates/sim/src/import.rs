@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use crate::trace::{Record, Writer};
+use crate::trace::{fnv1a, Record, Writer, FNV_START};
 use crate::Trace;
 
 /// A trace file's format.
@@ -190,9 +190,7 @@ fn csv(data: &[u8]) -> Result<Trace, ImportError> {
             Some(v) if addr => v >> 12,
             Some(v) => v,
             // Names are objects too: hash them.
-            None => field.trim().bytes().fold(0xCBF2_9CE4_8422_2325u64, |h, c| {
-                (h ^ c as u64).wrapping_mul(0x0000_0100_0000_01B3)
-            }),
+            None => fnv1a(FNV_START, field.trim().as_bytes()),
         };
         let write = op_col
             .and_then(|c| fields.get(c))

@@ -53,13 +53,14 @@ pub struct Record {
     pub write: bool,
 }
 
-fn fnv1a(h: u64, bytes: &[u8]) -> u64 {
+/// FNV-1a over `bytes`, continuing from `h` ([`FNV_START`] to begin).
+pub(crate) fn fnv1a(h: u64, bytes: &[u8]) -> u64 {
     bytes.iter().fold(h, |h, &b| {
         (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01B3)
     })
 }
 
-const FNV_START: u64 = 0xCBF2_9CE4_8422_2325;
+pub(crate) const FNV_START: u64 = 0xCBF2_9CE4_8422_2325;
 
 fn put_varint(out: &mut Vec<u8>, mut v: u64) {
     while v >= 0x80 {
