@@ -529,6 +529,58 @@ mod tests {
     }
 
     #[test]
+    fn what_the_engine_holds_or_reports_late_is_handled() {
+        // Quota 20: S's share 2. Pages 0..4 come in and are staged.
+        let mut p = Placement::new(8, 20);
+        let mut m = Toy::new(8);
+        for i in 0..4 {
+            arrive(&mut p, &mut m, i);
+        }
+        // All in flight (busy): each S entry is looked at once, and the call gives up.
+        for i in 0..4 {
+            m.res[i] = Residence::Busy;
+        }
+        assert_eq!(p.evict(&mut m, 1).total(), 0);
+        assert_eq!(p.small_len(), 4);
+        // Page 0 was freed (gone): it is dropped without a ghost, and page 1 leaves.
+        m.res[0] = Residence::Gone;
+        for i in 1..4 {
+            m.res[i] = Residence::Staged;
+        }
+        assert_eq!(p.evict(&mut m, 1).from_small, 1);
+        assert_eq!(m.out, [1]);
+        assert!(!p.holds(0));
+        assert_eq!(arrive(&mut p, &mut m, 0), Queue::Small);
+        // Page 2 was freed and touched again before placement heard: it keeps its place and
+        // is staged again.
+        m.res[2] = Residence::Mapped;
+        assert_eq!(p.arrived(2), Queue::Small);
+        p.probe(&mut m, u64::MAX);
+        assert_eq!(m.res[2], Residence::Staged);
+    }
+
+    #[test]
+    fn a_stage_limit_makes_the_hand_resume_on_the_next_call() {
+        // Four mapped pages in M; at most two staged per call.
+        let mut p = Placement::new(8, 10);
+        let mut m = Toy::new(8);
+        for i in 0..4 {
+            p.flags[i] = IN_MAIN;
+            p.push_main(i);
+            m.res[i] = Residence::Mapped;
+        }
+        p.set_stage_limit(2);
+        let e = p.evict(&mut m, 1);
+        assert_eq!((e.from_main, e.staged), (0, 2));
+        let e = p.evict(&mut m, 1);
+        assert_eq!((e.from_main, e.staged), (0, 2));
+        // The hand wrapped to page 0, staged on the first call and still unused.
+        let e = p.evict(&mut m, 1);
+        assert_eq!((e.from_main, e.staged), (1, 0));
+        assert_eq!(m.out, [0]);
+    }
+
+    #[test]
     fn ghosts_are_recent_for_about_as_many_evictions_as_main_holds() {
         // Quota 160: M's share 144, 9 S evictions per generation, 16 generations.
         let mut p = Placement::new(4, 160);
