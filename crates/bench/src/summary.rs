@@ -162,7 +162,7 @@ pub fn print(program: &str, status: &str, c: &Collected) {
         }
     );
     eprintln!(
-        "  active   {} at last epoch ({}), {} epochs; evictor CPU {:.2} s, scan CPU {:.2} s",
+        "  active   {} touched within a second, sampled ({}), {} epochs; evictor CPU {:.2} s, scan CPU {:.2} s",
         bytes(peak.active_bytes.max(s.active_bytes)),
         Health::of_active(peak.active_bytes.max(s.active_bytes), s.quota_bytes, &t).as_str(),
         s.epochs,

@@ -5,6 +5,7 @@
 //! laboratory in `memtide-bench`. Entry point: [`main`].
 #![forbid(unsafe_code)]
 
+mod host;
 mod plan;
 mod run;
 mod sim;
@@ -53,6 +54,14 @@ enum Cmd {
     ///
     /// Example: memtide probe /var/tmp --json probe.json
     Probe(probe::ProbeArgs),
+    /// Share this host's DRAM among tenants by activeness: programs started with `memtide run
+    /// --host` register here, each guaranteed its --dram, the rest following what is active.
+    /// Serves Prometheus metrics.
+    ///
+    /// Example: memtide host --dram 16GiB --tier /mnt/nvme --ratio 1:1
+    Host(host::HostArgs),
+    /// The host daemon's view, once: the host line and a row per tenant.
+    Status(host::StatusArgs),
     /// The built-in workload (used by demo and bench).
     #[command(hide = true)]
     Workload(workload::WorkloadArgs),
@@ -70,6 +79,8 @@ fn main() -> ExitCode {
         Cmd::Bench(a) => bench::bench(a),
         Cmd::Sim(a) => sim::sim(a),
         Cmd::Plan(a) => plan::plan(a),
+        Cmd::Host(a) => host::host(a),
+        Cmd::Status(a) => host::status(a),
         Cmd::Probe(a) => probe::probe(a),
         Cmd::BenchJanitor => bench::janitor(),
         Cmd::Workload(a) => workload::main(a),

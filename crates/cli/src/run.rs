@@ -1,29 +1,38 @@
 //! `memtide run`: starts a program with the preload library and its settings, forwards
 //! signals to it, keeps the `--stats` file current, prints the summary when it exits, and
-//! exits with the program's status. Entry point: [`run`].
+//! exits with the program's status. Under a host daemon (`--host`) it registers the program as
+//! a tenant, reports its figures every interval and passes the quota it gets back on to the
+//! program's engine; with `--metrics` it serves the program's figures to Prometheus. Entry
+//! point: [`run`].
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, ExitStatus};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use memtide_engine::launch::{die_with_parent, forward_signals, StatsDir, TierEnv};
+use memtide_engine::launch::{self, die_with_parent, forward_signals, StatsDir, TierEnv};
+use memtide_engine::size::format as bytes;
+use memtide_host::client::{default_socket, Client};
+use memtide_host::protocol::{
+    HostStatus, Registration, Request, Response, TenantReport, TenantStatus,
+};
 
 use memtide_bench::{opts, preflight, summary};
 
 #[derive(Args, Debug)]
 pub struct RunArgs {
     /// DRAM the program's managed memory may use (e.g. 512MiB, 4GiB); the rest goes to tier 1.
-    #[arg(long, value_parser = opts::nonzero_size)]
-    pub dram: u64,
+    /// Under --host: the DRAM the daemon guarantees it (its minimum; default 64MiB).
+    #[arg(long, value_parser = opts::nonzero_size, required_unless_present = "host")]
+    pub dram: Option<u64>,
     /// Where tier 1 lives: a directory to create the tier file in, or a file name to create.
-    /// The file is removed when the program exits.
-    #[arg(long, default_value = "/var/tmp")]
-    pub tier: PathBuf,
+    /// The file is removed when the program exits. [default: /var/tmp, or the host daemon's]
+    #[arg(long)]
+    pub tier: Option<PathBuf>,
     /// Most bytes tier 1 may hold (default: as much as the program's managed memory needs).
     #[arg(long, value_parser = opts::nonzero_size)]
     pub tier_size: Option<u64>,
@@ -44,6 +53,26 @@ pub struct RunArgs {
     /// works".
     #[arg(long, value_parser = opts::delivery, default_value = "threads")]
     pub faults: memtide_engine::Delivery,
+    /// Make the program a tenant of the host daemon (`memtide host`) at this socket (default
+    /// /run/memtide/host.sock, or MEMTIDE_HOST_SOCKET): its DRAM quota then follows the host's
+    /// split, at least --dram. If the daemon goes away, the program keeps its last quota and
+    /// registers again when the daemon is back.
+    #[arg(long, num_args = 0..=1, require_equals = true, value_name = "SOCKET")]
+    pub host: Option<Option<PathBuf>>,
+    /// The tenant's name in `memtide status` and in metrics (default: the program's name).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Under --host: the most DRAM the daemon may give the program.
+    #[arg(long, value_parser = opts::nonzero_size, requires = "host")]
+    pub max: Option<u64>,
+    /// Under --host: never tier this program (a latency-sensitive tenant): it runs without
+    /// memtide, and the daemon reserves --dram of the host's DRAM for it.
+    #[arg(long, requires = "host")]
+    pub pinned: bool,
+    /// Serve the program's figures as Prometheus metrics at http://ADDR/metrics (e.g.
+    /// 127.0.0.1:9465).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<std::net::SocketAddr>,
     /// Print no summary at exit.
     #[arg(long, short)]
     pub quiet: bool,
@@ -95,57 +124,243 @@ fn write_stats_file(
     }
 }
 
+/// What the launcher knows of its tenant while the program runs (for --metrics and status).
+#[derive(Default)]
+struct View {
+    report: TenantReport,
+    quota: u64,
+    tenant: u64,
+}
+
+/// The tenant's connection to the host daemon: registers, reports, and keeps the last quota
+/// when the daemon goes away (registering again when it returns).
+struct HostLink {
+    socket: PathBuf,
+    registration: Registration,
+    client: Option<Client>,
+    quota: u64,
+    tenant: u64,
+    lost_at: Option<Instant>,
+}
+
+impl HostLink {
+    fn register(socket: &Path, registration: Registration) -> Result<(HostLink, String, u64)> {
+        let mut client = Client::connect(socket)?;
+        match client.call(&Request::Register(registration.clone()))? {
+            Response::Registered {
+                tenant,
+                quota_bytes,
+                tier_dir,
+                tier_bytes,
+            } => Ok((
+                HostLink {
+                    socket: socket.to_path_buf(),
+                    registration,
+                    client: Some(client),
+                    quota: quota_bytes,
+                    tenant,
+                    lost_at: None,
+                },
+                tier_dir,
+                tier_bytes,
+            )),
+            other => bail!("the host daemon answered {other:?} to a registration"),
+        }
+    }
+
+    /// Sends `report`; returns the quota in force (the last one known if the daemon is away).
+    fn report(&mut self, report: &TenantReport) -> u64 {
+        if self.client.is_none() {
+            if let Ok(mut c) = Client::connect(&self.socket) {
+                if let Ok(Response::Registered {
+                    tenant,
+                    quota_bytes,
+                    ..
+                }) = c.call(&Request::Register(self.registration.clone()))
+                {
+                    eprintln!(
+                        "memtide: the host daemon is back; registered again as tenant {tenant} (quota {})",
+                        bytes(quota_bytes)
+                    );
+                    self.client = Some(c);
+                    self.tenant = tenant;
+                    self.quota = quota_bytes;
+                    self.lost_at = None;
+                }
+            }
+        }
+        if let Some(c) = &mut self.client {
+            match c.call(&Request::Report(report.clone())) {
+                Ok(Response::Quota { quota_bytes }) => self.quota = quota_bytes,
+                Ok(_) | Err(_) => {
+                    self.client = None;
+                    if self.lost_at.is_none() {
+                        self.lost_at = Some(Instant::now());
+                        eprintln!(
+                            "memtide: lost the host daemon at {}; keeping the quota of {} until it is back",
+                            self.socket.display(),
+                            bytes(self.quota)
+                        );
+                    }
+                }
+            }
+        }
+        self.quota
+    }
+}
+
+/// The pinned program's figures: it runs without memtide, so its resident memory is all DRAM.
+fn pinned_report(pid: u32) -> TenantReport {
+    let rss = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .unwrap_or(0)
+        * 1024;
+    TenantReport {
+        dram_bytes: rss,
+        managed_bytes: rss,
+        ..TenantReport::default()
+    }
+}
+
 pub fn run(a: RunArgs) -> Result<ExitCode> {
     let program = &a.command[0];
-    let ready = preflight::check(a.dram, &a.tier, a.tier_size, program)?;
-    if ready.buffered_tier {
-        eprintln!(
-            "memtide: note: {} has no O_DIRECT; tier 1 will use buffered I/O",
-            a.tier.display()
-        );
-    }
+    let name = a.name.clone().unwrap_or_else(|| {
+        Path::new(program)
+            .file_name()
+            .map_or_else(|| program.clone(), |n| n.to_string_lossy().into_owned())
+    });
+    // Under a host daemon: register first (a refusal ends here, before the program starts).
+    let (mut link, host_tier) = match a
+        .host
+        .as_ref()
+        .map(|s| s.clone().unwrap_or_else(default_socket))
+    {
+        Some(socket) => {
+            let reg = Registration {
+                name: name.clone(),
+                pid: std::process::id(),
+                min_bytes: a.dram.unwrap_or(64 << 20),
+                max_bytes: a.max,
+                pinned: a.pinned,
+            };
+            let (link, dir, tier_bytes) = HostLink::register(&socket, reg)?;
+            (Some(link), Some((PathBuf::from(dir), tier_bytes)))
+        }
+        None => (None, None),
+    };
+    let dram = match (&link, a.dram) {
+        (Some(l), _) => l.quota,
+        (None, Some(d)) => d,
+        (None, None) => bail!("give --dram (or --host)"),
+    };
+    let tier = a
+        .tier
+        .clone()
+        .or_else(|| host_tier.as_ref().map(|(d, _)| d.clone()))
+        .unwrap_or_else(|| PathBuf::from("/var/tmp"));
+    let tier_size = a
+        .tier_size
+        .or(host_tier.as_ref().map(|&(_, b)| b).filter(|&b| b > 0));
+    let pinned = a.pinned;
+    let ready = if pinned {
+        None
+    } else {
+        let ready = preflight::check(dram, &tier, tier_size, program)?;
+        if ready.buffered_tier {
+            eprintln!(
+                "memtide: note: {} has no O_DIRECT; tier 1 will use buffered I/O",
+                tier.display()
+            );
+        }
+        Some(ready)
+    };
     if let Some(p) = &a.stats {
         // Fail now, not after the program ran.
         std::fs::write(p, b"{}\n")
             .with_context(|| format!("cannot write --stats file {}", p.display()))?;
     }
+    let view = Arc::new(Mutex::new(View {
+        quota: dram,
+        tenant: link.as_ref().map_or(0, |l| l.tenant),
+        ..View::default()
+    }));
+    if let Some(addr) = a.metrics {
+        let view = view.clone();
+        let name = name.clone();
+        let bound = memtide_host::metrics::serve_http(addr, move || {
+            let v = view.lock().unwrap_or_else(|e| e.into_inner());
+            single_tenant_status(&name, &v)
+        })?;
+        eprintln!("memtide: metrics at http://{bound}/metrics");
+    }
     let stats_dir = StatsDir::new().context("cannot create a directory for the statistics")?;
     let interval_ms = (a.stats_interval * 1000.0).max(50.0) as u64;
     let mut cmd = Command::new(program);
     cmd.args(&a.command[1..]);
-    TierEnv {
-        preload: &ready.preload,
-        dram: a.dram,
-        tier: &a.tier,
-        tier_size: a.tier_size,
-        min_bytes: a.min_bytes,
-        stats_dir: &stats_dir.0,
-        stats_interval_ms: interval_ms,
-        faults: a.faults,
+    if let Some(ready) = &ready {
+        TierEnv {
+            preload: &ready.preload,
+            dram,
+            tier: &tier,
+            tier_size,
+            min_bytes: a.min_bytes,
+            stats_dir: &stats_dir.0,
+            stats_interval_ms: interval_ms,
+            faults: a.faults,
+        }
+        .apply(&mut cmd);
     }
-    .apply(&mut cmd);
     // If memtide itself is killed, the program is told to stop (as by a hang-up) rather than
     // run on unwatched.
     die_with_parent(&mut cmd, libc::SIGTERM);
     let mut child = cmd
         .spawn()
         .with_context(|| format!("cannot start {program}"))?;
-    forward_signals(child.id());
+    let child_pid = child.id();
+    forward_signals(child_pid);
     let done = Arc::new(AtomicBool::new(false));
     // Poll the stats files while the program runs: for --stats, and so that the summary can
-    // judge coverage at peak rather than after the program freed its memory.
+    // judge coverage at peak rather than after the program freed its memory. Under a host
+    // daemon, report to it and pass its quota on.
     let poller = {
         let done = done.clone();
         let dir = stats_dir.0.clone();
         let program = program.clone();
         let path = a.stats.clone();
+        let view = view.clone();
+        let mut link = link.take();
         std::thread::spawn(move || {
             let mut c = summary::Collected::default();
+            let mut asked = dram;
             while !done.load(Ordering::Acquire) {
                 std::thread::sleep(Duration::from_millis(interval_ms));
                 c.update(&dir);
                 if let Some(p) = &path {
                     write_stats_file(p, &program, None, &c);
+                }
+                let mut report = if pinned {
+                    pinned_report(child_pid)
+                } else {
+                    TenantReport::of(c.latest.values())
+                };
+                report.pid = child_pid;
+                let quota = match &mut link {
+                    Some(l) => l.report(&report),
+                    None => asked,
+                };
+                if quota != asked && !pinned && launch::ask_quota(&dir, quota).is_ok() {
+                    asked = quota;
+                }
+                let mut v = view.lock().unwrap_or_else(|e| e.into_inner());
+                v.report = report;
+                v.quota = quota;
+                if let Some(l) = &link {
+                    v.tenant = l.tenant;
                 }
             }
             c
@@ -158,8 +373,34 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     if let Some(p) = &a.stats {
         write_stats_file(p, program, Some(status), &c);
     }
-    if !a.quiet {
+    if !a.quiet && !pinned {
         summary::print(program, &describe(status), &c);
     }
     Ok(ExitCode::from(exit_code(status)))
+}
+
+/// The status a single `memtide run --metrics` serves: the program as the only tenant, its
+/// quota as the budget.
+fn single_tenant_status(name: &str, v: &View) -> HostStatus {
+    let t = TenantStatus {
+        tenant: v.tenant,
+        name: name.to_string(),
+        pid: v.report.pid,
+        quota_bytes: v.quota,
+        min_bytes: v.quota,
+        active_pct: v.report.active_bytes as f64 * 100.0 / v.quota.max(1) as f64,
+        report: v.report.clone(),
+        ..TenantStatus::default()
+    };
+    HostStatus {
+        budget_bytes: v.quota,
+        quota_bytes: v.quota,
+        dram_bytes: v.report.dram_bytes,
+        tier_bytes: v.report.tier_bytes,
+        active_bytes: v.report.active_bytes,
+        tier_read_latency_p50_us: v.report.tier_read_latency_p50_us,
+        tier_read_latency_p99_us: v.report.tier_read_latency_p99_us,
+        tenants: vec![t],
+        ..HostStatus::default()
+    }
 }

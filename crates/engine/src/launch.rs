@@ -54,6 +54,18 @@ impl TierEnv<'_> {
     }
 }
 
+/// The file in the statistics directory through which the launcher changes the program's
+/// DRAM quota at run time: a number of bytes, replaced whole (write, then rename).
+pub const QUOTA_FILE: &str = "quota";
+
+/// Asks the program started with `stats_dir` to use a DRAM quota of `bytes` from now on (its
+/// engine reads the request at its next statistics interval).
+pub fn ask_quota(stats_dir: &Path, bytes: u64) -> io::Result<()> {
+    let tmp = stats_dir.join(".quota.tmp");
+    std::fs::write(&tmp, format!("{bytes}\n"))?;
+    std::fs::rename(&tmp, stats_dir.join(QUOTA_FILE))
+}
+
 /// A private directory for the statistics files of one launch, removed on drop. A launcher
 /// killed with SIGKILL cannot remove its own: the next launch removes directories whose
 /// launcher is gone.

@@ -78,6 +78,29 @@ impl LatencyHistogram {
         0.0
     }
 
+    /// Cumulative counts at the upper bounds `le_us` (microseconds, ascending), as a
+    /// Prometheus histogram has them; a bucket straddling a bound counts below it when its
+    /// lower edge is below the bound (to bucket resolution, 12.5%).
+    pub fn cumulative(&self, le_us: &[f64]) -> Vec<(f64, u64)> {
+        let mut out = Vec::with_capacity(le_us.len());
+        let mut seen = 0u64;
+        let mut i = 0;
+        for &le in le_us {
+            let le_ns = (le * 1000.0) as u64;
+            while i < Self::BUCKETS && Self::lower(i) < le_ns {
+                seen += self.buckets[i].load(Relaxed);
+                i += 1;
+            }
+            out.push((le, seen));
+        }
+        out
+    }
+
+    /// Sum of all values recorded, in microseconds.
+    pub fn sum_us(&self) -> f64 {
+        self.sum_ns.load(Relaxed) as f64 / 1000.0
+    }
+
     pub fn mean_us(&self) -> f64 {
         let n = self.count();
         if n == 0 {
@@ -114,6 +137,9 @@ pub struct Counters {
     pub demotions_zero: AtomicU64,
     /// Pages unmapped into the inactive list.
     pub deactivations: AtomicU64,
+    /// Inactive pages put back in place without a touch (to make room in the inactive list
+    /// when there is no pressure).
+    pub reactivations: AtomicU64,
     pub tier_read_bytes: AtomicU64,
     pub tier_write_bytes: AtomicU64,
     pub tier_write_ops: AtomicU64,
@@ -154,6 +180,12 @@ impl Counters {
     }
 }
 
+/// Upper bounds of the tier-read latency histogram exported (microseconds): around the
+/// operator guidance's 200 and 400 µs lines.
+pub const TIER_READ_BUCKETS_US: [f64; 11] = [
+    25.0, 50.0, 100.0, 150.0, 200.0, 300.0, 400.0, 800.0, 1600.0, 5000.0, 20000.0,
+];
+
 /// A point-in-time copy of the counters, as written to `--stats` files and printed at exit.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct Snapshot {
@@ -185,6 +217,8 @@ pub struct Snapshot {
     pub demotions_clean: u64,
     pub demotions_zero: u64,
     pub deactivations: u64,
+    #[serde(default)]
+    pub reactivations: u64,
     pub tier_read_bytes: u64,
     pub tier_write_bytes: u64,
     pub tier_write_ops: u64,
@@ -195,6 +229,14 @@ pub struct Snapshot {
     pub tier_read_latency_p99_us: f64,
     pub fault_tier_latency_p50_us: f64,
     pub fault_tier_latency_p99_us: f64,
+    /// Tier-1 reads by latency: cumulative counts at upper bounds in microseconds
+    /// ([`TIER_READ_BUCKETS_US`]).
+    #[serde(default)]
+    pub tier_read_latency_buckets: Vec<(f64, u64)>,
+    #[serde(default)]
+    pub tier_read_latency_sum_us: f64,
+    #[serde(default)]
+    pub tier_reads: u64,
     pub quota_waits: u64,
     pub quota_overruns: u64,
     pub epochs: u64,
@@ -236,6 +278,18 @@ mod tests {
         assert!((p50 - 50.0).abs() / 50.0 < 0.13, "p50 {p50}");
         assert!((p99 - 99.0).abs() / 99.0 < 0.13, "p99 {p99}");
         assert!((h.mean_us() - 50.5).abs() < 0.01);
+    }
+
+    #[test]
+    fn cumulative_counts_at_bounds() {
+        let h = LatencyHistogram::default();
+        for us in [10u64, 30, 30, 120, 450, 9000] {
+            h.record(us * 1000);
+        }
+        let c = h.cumulative(&[25.0, 50.0, 100.0, 200.0, 400.0, 800.0, 20000.0]);
+        let counts: Vec<u64> = c.iter().map(|&(_, n)| n).collect();
+        assert_eq!(counts, vec![1, 3, 3, 4, 4, 5, 6]);
+        assert!((h.sum_us() - 9640.0).abs() < 1e-6);
     }
 
     #[test]

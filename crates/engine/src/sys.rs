@@ -463,3 +463,32 @@ pub fn unlock(addr: usize, len: usize) -> io::Result<()> {
     // SAFETY: munlock changes only the range's flags.
     check(unsafe { libc::syscall(libc::SYS_munlock, addr, len) }).map(drop)
 }
+
+/// The process, user and group at the other end of a connected Unix socket (`SO_PEERCRED`:
+/// what the kernel recorded when it connected, not what the peer claims).
+pub fn peer_credentials(sock: &std::os::unix::net::UnixStream) -> io::Result<(u32, u32, u32)> {
+    use std::os::fd::AsRawFd;
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `cred`, which is that large.
+    check(unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            &mut cred as *mut libc::ucred as *mut libc::c_void,
+            &mut len,
+        ) as i64
+    })?;
+    Ok((cred.pid as u32, cred.uid, cred.gid))
+}
+
+/// This process's effective user id.
+pub fn effective_uid() -> u32 {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() }
+}

@@ -25,6 +25,7 @@ pub mod ahead;
 pub mod clock;
 pub mod health;
 pub mod placement;
+pub mod share;
 
 pub use clock::{Clock, Relief, Relieve, Sweep, SweepPages};
 pub use health::{Health, HealthThresholds};

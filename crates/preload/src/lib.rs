@@ -16,7 +16,7 @@ use std::alloc::{GlobalAlloc, Layout};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, AtomicUsize, Ordering};
 
-use memtide_engine::{size, Config, Delivery, Engine};
+use memtide_engine::{launch, size, Config, Delivery, Engine};
 
 extern "C" {
     pub(crate) fn __libc_malloc(size: usize) -> *mut libc::c_void;
@@ -221,10 +221,25 @@ fn write_stats(e: &Engine, dir: &std::path::Path) {
     }
 }
 
+/// A new quota from the launcher (`memtide run --host` passes on the host daemon's), if the
+/// `quota` file in the stats directory says one other than `now`.
+fn quota_asked(dir: &std::path::Path, now: u64) -> Option<u64> {
+    let text = std::fs::read_to_string(dir.join(launch::QUOTA_FILE)).ok()?;
+    let q: u64 = text.trim().parse().ok()?;
+    (q != now).then_some(q)
+}
+
 fn start_stats_thread(e: &'static Engine, dir: PathBuf, interval_ms: u64) {
-    let _ = memtide_engine::threads::spawn("memtide-stats", move || loop {
-        std::thread::sleep(std::time::Duration::from_millis(interval_ms.max(50)));
-        write_stats(e, &dir);
+    let _ = memtide_engine::threads::spawn("memtide-stats", move || {
+        let mut asked = e.quota_bytes();
+        loop {
+            std::thread::sleep(std::time::Duration::from_millis(interval_ms.max(50)));
+            if let Some(q) = quota_asked(&dir, asked) {
+                asked = q;
+                e.set_quota_bytes(q);
+            }
+            write_stats(e, &dir);
+        }
     });
 }
 

@@ -10,6 +10,7 @@ use memtide_policy::{
     Activeness, Clock, EpochClock, Relief, Relieve, SweepPages, Watermarks, PAGE_SIZE,
 };
 
+use super::active::{self, ActiveSampler};
 use super::fatal::fatal;
 use super::ring::{RING_DEAD, RING_EMPTY};
 use super::Engine;
@@ -21,7 +22,10 @@ impl Engine {
     pub(super) fn evictor_main(&self) {
         let mut sweep = Clock::default();
         let mut clock = EpochClock::new(self.epoch_ns);
-        let mut victims: Vec<usize> = Vec::with_capacity(Watermarks::MAX_BATCH as usize * 4);
+        let mut victims: Vec<usize> =
+            Vec::with_capacity((Watermarks::MAX_BATCH * 4).max(active::SAMPLE) as usize);
+        let mut sampler = ActiveSampler::new(active::seed());
+        let mut populated = 0u64;
         let mut writing: Vec<(usize, u32)> = Vec::with_capacity(Watermarks::MAX_BATCH as usize);
         let mut warned_underreport = false;
         loop {
@@ -36,7 +40,15 @@ impl Engine {
             let now = sys::now_ns();
             let new_epoch = clock.tick(now);
             if new_epoch {
-                self.age_all();
+                let estimate = self.active_window_ends(&mut sampler, populated);
+                let (seen_active, now_populated) = self.age_all();
+                populated = now_populated;
+                self.counters
+                    .active_pages
+                    .store(estimate.unwrap_or(seen_active), Ordering::Relaxed);
+                if !self.detached.load(Ordering::Acquire) {
+                    self.sample_active(&mut sampler, &mut victims);
+                }
                 Counters::bump(&self.counters.epochs);
             }
             let ecpu0 = sys::thread_cpu_ns();
@@ -51,7 +63,7 @@ impl Engine {
                     victims: &mut victims,
                     writing: &mut writing,
                 };
-                match self.quota.wm.relieve(&mut relief) {
+                match self.quota.wm().relieve(&mut relief) {
                     Relief::Calm => self.quota.set_overcommit(false),
                     Relief::Stuck => {
                         // Nothing evictable right now (everything pinned, in flight, or tiny):
@@ -78,7 +90,7 @@ impl Engine {
 
             let k = self.bell.seen();
             self.bell.set_sleeping(true);
-            if !self.quota.wm.over_high(self.quota.resident())
+            if !self.quota.wm().over_high(self.quota.resident())
                 || !self.tier_usable()
                 || self.detached.load(Ordering::Acquire)
             {
@@ -102,20 +114,22 @@ impl Engine {
         s.in_use() < s.len()
     }
 
-    /// Ends an epoch: shifts every page's history and counts active memory.
-    fn age_all(&self) {
+    /// Ends an epoch: shifts every page's history. Returns the pages seen touched in this
+    /// epoch or the one before, and the populated pages (neither free nor never touched).
+    fn age_all(&self) -> (u64, u64) {
         let hw = self.high_water.load(Ordering::Acquire);
-        let mut active = 0u64;
+        let (mut active, mut populated) = (0u64, 0u64);
         for i in 0..hw {
             let w = self.pt.load(i);
             if matches!(w.state(), State::Free | State::Unpopulated | State::Lent) {
                 continue;
             }
+            populated += 1;
             if self.pt.age(i).is_active() {
                 active += 1;
             }
         }
-        self.counters.active_pages.store(active, Ordering::Relaxed);
+        (active, populated)
     }
 
     /// Moves up to `want` of the coldest mapped pages, as the policy's CLOCK sweep picks them,
@@ -131,6 +145,14 @@ impl Engine {
         if sweep.deactivate(&mut candidates, want) == 0 {
             return 0;
         }
+        self.stage(victims)
+    }
+
+    /// Moves the mapped pages `victims` (claimed `Busy` by this thread, in address order) into
+    /// staging slots at the ring's head; the caller made sure the ring has room for them all.
+    /// Pages that would not move are put back (or found gone); `victims` keeps those that
+    /// moved. Returns how many moved.
+    pub(super) fn stage(&self, victims: &mut Vec<usize>) -> u64 {
         if !self.locked {
             // Unlocked memory may have been swapped out by Linux: only pages in DRAM move.
             victims.retain(|&p| {
@@ -157,7 +179,7 @@ impl Engine {
             }
             let n = k - start;
             let first = victims[start];
-            let moved = &mut moved[..n];
+            let moved = &mut moved[start..k];
             // SAFETY: pages first..first+n are ours (Busy) and mapped; staging slots
             // s0..s0+n are free (between tail and head nothing else lives there) and missing.
             let report = unsafe {
@@ -179,6 +201,8 @@ impl Engine {
                     self.ring
                         .entry(s as u64)
                         .store(p as u32 + 1, Ordering::Release);
+                    // Counted before it is published: a touch may take it back at once.
+                    self.ring.staged.fetch_add(1, Ordering::AcqRel);
                     self.pt.publish(p, State::Staged, None);
                     moved_total += 1;
                 } else {
@@ -192,7 +216,11 @@ impl Engine {
             }
             self.ring.set_head(head + n as u64);
         }
-        self.ring.staged.fetch_add(moved_total, Ordering::AcqRel);
+        let mut i = 0;
+        victims.retain(|_| {
+            i += 1;
+            moved[i - 1]
+        });
         Counters::add(&self.counters.deactivations, moved_total);
         moved_total
     }

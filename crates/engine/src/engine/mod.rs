@@ -2,9 +2,10 @@
 //! the stages of a page's life, a file each: the fault path (`fault.rs`, run by a handler
 //! thread per CPU (`handlers.rs`), or in the faulting thread from SIGBUS), eviction and
 //! write-back (`evict.rs`, the evictor thread), and the program's own memory calls
-//! (`region.rs`: free, discard, mremap, mprotect, pins, fork). Small shared pieces have
-//! files of their own: the staging ring (`ring.rs`), the DRAM quota (`quota.rs`) and the fatal
-//! stop (`fatal.rs`). This file holds the engine object, its start and its reports. Entry
+//! (`region.rs`: free, discard, mremap, mprotect, pins, fork), and the sampled estimate of
+//! active memory (`active.rs`, run by the evictor). Small shared pieces have files of their
+//! own: the staging ring (`ring.rs`), the DRAM quota (`quota.rs`, changeable at run time) and
+//! the fatal stop (`fatal.rs`). This file holds the engine object, its start and its reports. Entry
 //! points: [`Engine::start`], [`Engine::alloc`], [`Engine::handle_fault`].
 //!
 //! # How a page moves
@@ -31,6 +32,7 @@
 //! - The quota's `resident` counts pages holding DRAM (mapped, staged, writing, or in
 //!   flight); a faulting thread reserves quota before it claims a page.
 
+mod active;
 mod evict;
 mod fatal;
 mod fault;
@@ -200,8 +202,12 @@ impl Engine {
         }
         let arena_pages = (cfg.arena_bytes as usize / PAGE_SIZE).max(ZERO_CHUNK);
         let arena = Mapping::anon(arena_pages * PAGE_SIZE).map_err(io_err("reserve the arena"))?;
-        let wm = Watermarks::for_quota(cfg.dram_bytes / PAGE_SIZE as u64);
-        let ring = StagingRing::new(wm.inactive_target + 4 * wm.batch)
+        let quota_pages = cfg.dram_bytes / PAGE_SIZE as u64;
+        // The quota may grow at run time (a host daemon's share): the staging area is address
+        // space only, so size it for a quota of up to 4x the first one, at least 16 GiB, plus
+        // room for the active-memory sample. A larger quota works with a smaller inactive list.
+        let wm_max = Watermarks::for_quota(quota_pages.saturating_mul(4).max(16 << 18));
+        let ring = StagingRing::new(wm_max.inactive_target + 4 * wm_max.batch + active::SAMPLE)
             .map_err(io_err("reserve the staging area"))?;
         for m in [&arena, ring.area()] {
             prepare(&uffd, m.addr(), m.len())
@@ -225,7 +231,7 @@ impl Engine {
             zero: Mapping::anon(ZERO_CHUNK * PAGE_SIZE).map_err(io_err("map zeros"))?,
             pagemap: sys::Pagemap::open().map_err(io_err("open /proc/self/pagemap"))?,
             bounce: BouncePool::new().map_err(io_err("map bounce buffers"))?,
-            quota: Quota::new(wm),
+            quota: Quota::new(quota_pages),
             bell: Doorbell::default(),
             epoch_ns: cfg.epoch_ms.max(1) * 1_000_000,
             tier_failed: AtomicBool::new(false),
@@ -314,7 +320,18 @@ impl Engine {
 
     /// The DRAM quota in bytes.
     pub fn quota_bytes(&self) -> u64 {
-        self.quota.wm.quota * PAGE_SIZE as u64
+        self.quota.wm().quota * PAGE_SIZE as u64
+    }
+
+    /// Sets a new DRAM quota at run time (a host daemon's share). Returns the quota now in
+    /// force (rounded down to pages, at least 64 KiB). A larger quota lets faulting threads
+    /// through at once; a smaller one wakes the evictor, which demotes the coldest pages until
+    /// the managed memory fits again.
+    pub fn set_quota_bytes(&self, bytes: u64) -> u64 {
+        let q = self.quota.set(bytes / PAGE_SIZE as u64);
+        self.quota.wake_waiters();
+        self.bell.ring_always();
+        q * PAGE_SIZE as u64
     }
 
     /// Pages of managed memory the program currently has allocated.
@@ -367,7 +384,7 @@ impl Engine {
         Snapshot {
             pid: self.pid,
             elapsed_seconds: (sys::now_ns() - self.start_ns) as f64 / 1e9,
-            quota_bytes: self.quota.wm.quota * page,
+            quota_bytes: self.quota.wm().quota * page,
             dram_bytes: self.quota.resident() * page,
             peak_dram_bytes: r(&c.peak_resident_pages) * page,
             inactive_bytes: self.ring.staged.load(Ordering::Relaxed) * page,
@@ -390,6 +407,7 @@ impl Engine {
             demotions_clean: r(&c.demotions_clean),
             demotions_zero: r(&c.demotions_zero),
             deactivations: r(&c.deactivations),
+            reactivations: r(&c.reactivations),
             tier_read_bytes: r(&c.tier_read_bytes),
             tier_write_bytes: r(&c.tier_write_bytes),
             tier_write_ops: r(&c.tier_write_ops),
@@ -399,6 +417,11 @@ impl Engine {
             tier_read_latency_p99_us: c.tier_read_latency.quantile_us(0.99),
             fault_tier_latency_p50_us: c.fault_tier_latency.quantile_us(0.5),
             fault_tier_latency_p99_us: c.fault_tier_latency.quantile_us(0.99),
+            tier_read_latency_buckets: c
+                .tier_read_latency
+                .cumulative(&crate::stats::TIER_READ_BUCKETS_US),
+            tier_read_latency_sum_us: c.tier_read_latency.sum_us(),
+            tier_reads: c.tier_read_latency.count(),
             quota_waits: r(&c.quota_waits),
             quota_overruns: r(&c.quota_overruns),
             epochs: r(&c.epochs),

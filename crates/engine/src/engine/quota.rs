@@ -54,7 +54,8 @@ impl Doorbell {
 }
 
 pub(super) struct Quota {
-    pub(super) wm: Watermarks,
+    /// The quota in pages; it may change at run time ([`set`](Self::set)).
+    pages: AtomicU64,
     resident: AtomicU64,
     /// Bumped and woken when the evictor frees DRAM.
     freed: AtomicU32,
@@ -67,15 +68,28 @@ pub(super) struct Quota {
 }
 
 impl Quota {
-    pub(super) fn new(wm: Watermarks) -> Quota {
+    pub(super) fn new(pages: u64) -> Quota {
         Quota {
-            wm,
+            pages: AtomicU64::new(Watermarks::for_quota(pages).quota),
             resident: AtomicU64::new(0),
             freed: AtomicU32::new(0),
             waiters: AtomicU32::new(0),
             overcommit: AtomicBool::new(false),
             unlimited: AtomicBool::new(false),
         }
+    }
+
+    /// The watermarks of the quota now.
+    pub(super) fn wm(&self) -> Watermarks {
+        Watermarks::for_quota(self.pages.load(Ordering::Acquire))
+    }
+
+    /// Sets a new quota of `pages` (at least the smallest quota [`Watermarks`] allow). Faulting
+    /// threads see it at once; the evictor converges to it (see `Engine::set_quota_bytes`).
+    pub(super) fn set(&self, pages: u64) -> u64 {
+        let q = Watermarks::for_quota(pages).quota;
+        self.pages.store(q, Ordering::Release);
+        q
     }
 
     /// Pages holding DRAM now.
@@ -85,10 +99,11 @@ impl Quota {
 
     /// Reserves DRAM for `n` pages, waiting for the evictor if the quota is used up.
     pub(super) fn reserve(&self, n: u64, bell: &Doorbell, c: &Counters) {
-        let limit = self.wm.hard_limit();
         loop {
+            let wm = self.wm();
+            let limit = wm.hard_limit();
             let r = self.resident.fetch_add(n, Ordering::AcqRel) + n;
-            if self.wm.over_high(r) {
+            if wm.over_high(r) {
                 bell.ring();
             }
             if r <= limit

@@ -1,0 +1,563 @@
+//! The host daemon end to end: tenants started with `memtide run --host` share its DRAM by
+//! activeness (the busy one gets more, nobody drops below its minimum, the quotas never exceed
+//! the budget), a tenant that exits releases its share at once, tenants carry on when the daemon
+//! dies and register again when it returns, only admins see and change other tenants, bad
+//! messages never stop the daemon, and a real Prometheus scrapes its metrics.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{memtide, require, Scratch, Server};
+
+const MIB: u64 = 1 << 20;
+
+/// A daemon on a socket in `dir`, with metrics on a free port; stopped when dropped.
+struct Daemon {
+    server: Server,
+    socket: PathBuf,
+    metrics: u16,
+}
+
+fn start_daemon(dir: &Path, budget: &str, extra: &[&str]) -> Daemon {
+    let socket = dir.join("host.sock");
+    let port = common::free_port();
+    let child = memtide()
+        .args(["host", "--dram", budget, "--tier"])
+        .arg(dir)
+        .arg("--socket")
+        .arg(&socket)
+        .args([
+            "--metrics",
+            &format!("127.0.0.1:{port}"),
+            "--epoch",
+            "500ms",
+        ])
+        .args(extra)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut server = Server(child);
+    // The daemon says where it listens once it does.
+    let mut err = BufReader::new(server.0.stderr.take().unwrap());
+    let mut line = String::new();
+    err.read_line(&mut line).unwrap();
+    assert!(line.contains("sharing"), "daemon did not start: {line}");
+    // Keep draining its log so it never blocks on a full pipe; echo it for failures.
+    std::thread::spawn(move || {
+        for l in err.lines().map_while(Result::ok) {
+            eprintln!("[daemon] {l}");
+        }
+    });
+    Daemon {
+        server,
+        socket,
+        metrics: port,
+    }
+}
+
+fn status(socket: &Path) -> serde_json::Value {
+    let o = memtide()
+        .args(["status", "--json", "--socket"])
+        .arg(socket)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "status: {}", common::stderr(&o));
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+fn tenant<'a>(s: &'a serde_json::Value, name: &str) -> Option<&'a serde_json::Value> {
+    s["tenants"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == name)
+}
+
+/// A tenant running the built-in workload.
+fn workload_tenant(socket: &Path, name: &str, min: &str, workload: &[&str]) -> Child {
+    memtide()
+        .arg("run")
+        .arg(format!("--host={}", socket.display()))
+        .args(["--name", name, "--dram", min, "-q", "--"])
+        .arg(env!("CARGO_BIN_EXE_memtide"))
+        .arg("workload")
+        .args(workload)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits for a tenant and checks it exited 0 with its data intact.
+fn finished_clean(child: Child, what: &str) -> String {
+    let o = child.wait_with_output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(o.status.success(), "{what} failed: {err}");
+    assert!(
+        out.contains("\"mismatches\":0"),
+        "{what} lost data: {out}\n{err}"
+    );
+    err
+}
+
+fn check_quotas(s: &serde_json::Value, budget: u64) {
+    let quotas: Vec<(u64, u64)> = s["tenants"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            (
+                t["quota_bytes"].as_u64().unwrap(),
+                t["min_bytes"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    let sum: u64 = quotas.iter().map(|q| q.0).sum();
+    assert!(
+        sum <= budget,
+        "quotas {quotas:?} exceed the budget {budget}"
+    );
+    for (q, min) in quotas {
+        assert!(q >= min, "a quota {q} below its minimum {min}");
+    }
+}
+
+#[test]
+fn busy_tenant_gets_the_dram_and_a_leaving_one_releases_it() {
+    let dir = Scratch::new("host-share");
+    let d = start_daemon(dir.path(), "1GiB", &[]);
+    let budget = 1 << 30;
+    // Both tenants hold 768 MiB; one is busy over 60% of it, the other idles over 5%.
+    let busy = workload_tenant(
+        &d.socket,
+        "busy",
+        "128MiB",
+        &[
+            "--footprint",
+            "768MiB",
+            "--hot",
+            "60%",
+            "--hot-share",
+            "100%",
+            "--seconds",
+            "30",
+        ],
+    );
+    let idle = workload_tenant(
+        &d.socket,
+        "idle",
+        "128MiB",
+        &[
+            "--footprint",
+            "768MiB",
+            "--hot",
+            "5%",
+            "--hot-share",
+            "100%",
+            "--seconds",
+            "30",
+            "--rate",
+            "20000",
+        ],
+    );
+    let t0 = Instant::now();
+    let mut shifted = None;
+    while t0.elapsed() < Duration::from_secs(28) {
+        std::thread::sleep(Duration::from_millis(250));
+        let s = status(&d.socket);
+        check_quotas(&s, budget);
+        let (Some(b), Some(i)) = (tenant(&s, "busy"), tenant(&s, "idle")) else {
+            continue;
+        };
+        let (qb, qi) = (
+            b["quota_bytes"].as_u64().unwrap(),
+            i["quota_bytes"].as_u64().unwrap(),
+        );
+        if qb >= qi + 256 * MIB && b["report"]["active_bytes"].as_u64().unwrap() > 200 * MIB {
+            shifted = Some((t0.elapsed(), qb, qi));
+            break;
+        }
+    }
+    let (after, qb, qi) = shifted.expect("the busy tenant never got most of the DRAM");
+    eprintln!(
+        "after {:.1} s: busy {} MiB, idle {} MiB",
+        after.as_secs_f64(),
+        qb / MIB,
+        qi / MIB
+    );
+    // The idle one still has its minimum and its active memory.
+    assert!(qi >= 128 * MIB);
+    finished_clean(idle, "idle tenant");
+    // Its share goes back at once (the connection closed).
+    let t1 = Instant::now();
+    loop {
+        let s = status(&d.socket);
+        check_quotas(&s, budget);
+        if tenant(&s, "idle").is_none() {
+            break;
+        }
+        assert!(
+            t1.elapsed() < Duration::from_secs(3),
+            "an exited tenant is still listed"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    finished_clean(busy, "busy tenant");
+    let s = status(&d.socket);
+    assert_eq!(s["tenants"].as_array().unwrap().len(), 0);
+    drop(d);
+}
+
+#[test]
+fn tenants_keep_their_quota_while_the_daemon_is_away() {
+    let dir = Scratch::new("host-away");
+    let d = start_daemon(dir.path(), "512MiB", &[]);
+    let t = workload_tenant(
+        &d.socket,
+        "steady",
+        "256MiB",
+        &["--footprint", "384MiB", "--hot", "20%", "--seconds", "12"],
+    );
+    let t0 = Instant::now();
+    while tenant(&status(&d.socket), "steady").is_none() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "tenant never registered"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let socket = d.socket.clone();
+    // SIGKILL: no goodbye to anyone.
+    let mut server = d.server;
+    server.0.kill().unwrap();
+    let _ = server.0.wait();
+    std::thread::sleep(Duration::from_secs(2));
+    let d2 = start_daemon(dir.path(), "512MiB", &[]);
+    assert_eq!(d2.socket, socket);
+    let t1 = Instant::now();
+    while tenant(&status(&d2.socket), "steady").is_none() {
+        assert!(
+            t1.elapsed() < Duration::from_secs(8),
+            "the tenant did not register again with the new daemon"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let err = finished_clean(t, "tenant across a daemon restart");
+    assert!(err.contains("lost the host daemon"), "{err}");
+    assert!(err.contains("is back"), "{err}");
+}
+
+/// Sends raw lines to the daemon as another user (nobody, in the socket's group) and returns
+/// the answers, one per line.
+fn as_nobody(socket: &Path, lines: &[String]) -> Vec<serde_json::Value> {
+    let script = "import socket,sys\n\
+        s=socket.socket(socket.AF_UNIX);s.connect(sys.argv[1]);f=s.makefile('rwb')\n\
+        for l in sys.stdin.buffer:\n    f.write(l);f.flush();print(f.readline().decode().strip(),flush=True)\n";
+    // Debian's python3: nobody cannot run one installed under root's home.
+    let input = socket.with_file_name("client-input");
+    std::fs::write(
+        &input,
+        lines.iter().map(|l| format!("{l}\n")).collect::<String>(),
+    )
+    .unwrap();
+    let o = Command::new("setpriv")
+        .args([
+            "--reuid=nobody",
+            "--regid=nogroup",
+            "--clear-groups",
+            "/usr/bin/python3",
+            "-c",
+            script,
+        ])
+        .arg(socket)
+        .stdin(std::fs::File::open(&input).unwrap())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "client: {}", common::stderr(&o));
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|_| panic!("not JSON: {l}")))
+        .collect()
+}
+
+#[test]
+fn only_admins_see_and_change_other_tenants_and_bad_messages_are_harmless() {
+    require("/usr/bin/python3");
+    require("setpriv");
+    let dir = Scratch::new("host-access");
+    // The group nobody's client runs in may connect; the directory must let it reach the socket.
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let d = start_daemon(dir.path(), "512MiB", &["--group", "nogroup"]);
+    let mode = std::fs::metadata(&d.socket).unwrap();
+    assert_eq!(
+        std::os::unix::fs::PermissionsExt::mode(&mode.permissions()) & 0o777,
+        0o660
+    );
+    let root_tenant = workload_tenant(
+        &d.socket,
+        "roots",
+        "128MiB",
+        &["--footprint", "64MiB", "--seconds", "8"],
+    );
+    let t0 = Instant::now();
+    let id = loop {
+        if let Some(t) = tenant(&status(&d.socket), "roots") {
+            break t["tenant"].as_u64().unwrap();
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "tenant never registered"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let big = format!("{{\"status\": \"{}\"}}", "x".repeat(2 << 20));
+    let answers = as_nobody(
+        &d.socket,
+        &[
+            "\"status\"".into(),
+            format!("{{\"set\": {{\"tenant\": {id}, \"min_bytes\": 1}}}}"),
+            "{\"register\": 5}".into(),
+            "not json at all".into(),
+            big,
+            "{\"register\": {\"name\": \"greedy\", \"pid\": 1, \"min_bytes\": 1099511627776}}"
+                .into(),
+            "{\"register\": {\"name\": \"mine\", \"pid\": 1, \"min_bytes\": 67108864}}".into(),
+            "{\"set\": {\"min_bytes\": 134217728}}".into(),
+            "\"status\"".into(),
+        ],
+    );
+    assert_eq!(answers.len(), 9, "{answers:?}");
+    assert_eq!(
+        answers[0]["status"]["tenants"].as_array().unwrap().len(),
+        0,
+        "another user's client sees no one else's tenant: {}",
+        answers[0]
+    );
+    let refused = |a: &serde_json::Value, needle: &str| {
+        let m = a["error"]["message"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{a}"));
+        assert!(m.contains(needle), "{needle:?} not in {m:?}");
+    };
+    refused(&answers[1], "not allowed");
+    refused(&answers[2], "malformed");
+    refused(&answers[3], "malformed");
+    refused(&answers[4], "longer than");
+    refused(&answers[5], "cannot guarantee");
+    assert!(
+        answers[6]["registered"]["tenant"].as_u64().is_some(),
+        "{}",
+        answers[6]
+    );
+    assert_eq!(answers[7], serde_json::json!("done"));
+    let own = answers[8]["status"]["tenants"].as_array().unwrap();
+    assert_eq!(own.len(), 1, "{}", answers[8]);
+    assert_eq!(own[0]["name"], "mine");
+    assert_eq!(own[0]["min_bytes"], 128 * MIB);
+    assert_eq!(own[0]["uid"], 65534);
+    // The root tenant was not changed, and the daemon still serves; nobody's tenant left with
+    // its connection.
+    let s = status(&d.socket);
+    assert_eq!(tenant(&s, "roots").unwrap()["min_bytes"], 128 * MIB);
+    assert!(tenant(&s, "mine").is_none(), "{s}");
+    finished_clean(root_tenant, "root's tenant");
+}
+
+/// One HTTP GET on loopback; returns the body.
+fn http_get(port: u16, path: &str) -> Option<String> {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    let (head, body) = out.split_once("\r\n\r\n")?;
+    head.starts_with("HTTP/1.").then(|| body.to_string())
+}
+
+#[test]
+fn prometheus_scrapes_the_daemon() {
+    require("prometheus");
+    let dir = Scratch::new("host-prometheus");
+    let d = start_daemon(dir.path(), "512MiB", &[]);
+    let t = workload_tenant(
+        &d.socket,
+        "scraped",
+        "64MiB",
+        &["--footprint", "256MiB", "--hot", "20%", "--seconds", "25"],
+    );
+    let prom_port = common::free_port();
+    let config = dir.path().join("prometheus.yml");
+    std::fs::write(
+        &config,
+        format!(
+            "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: memtide\n    static_configs:\n      - targets: ['127.0.0.1:{}']\n",
+            d.metrics
+        ),
+    )
+    .unwrap();
+    let _prom = Server(
+        Command::new("prometheus")
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.path().join("tsdb").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    common::wait_for_port(prom_port, Duration::from_secs(30));
+    let query = |q: &str| -> Vec<serde_json::Value> {
+        http_get(prom_port, &format!("/api/v1/query?query={q}"))
+            .and_then(|b| serde_json::from_str::<serde_json::Value>(&b).ok())
+            .and_then(|v| v["data"]["result"].as_array().cloned())
+            .unwrap_or_default()
+    };
+    let t0 = Instant::now();
+    let (quota, faults) = loop {
+        let q = query("memtide_tenant_quota_bytes");
+        let f = query("memtide_tenant_faults_total");
+        let h = query("memtide_tenant_tier_read_latency_seconds_count");
+        if q.len() == 1 && f.len() == 4 && h.len() == 1 {
+            let zero = f
+                .iter()
+                .find(|r| r["metric"]["kind"] == "zero")
+                .map(|r| r["value"][1].as_str().unwrap().parse::<f64>().unwrap())
+                .unwrap();
+            if zero > 0.0 {
+                break (q[0].clone(), zero);
+            }
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "Prometheus never had the tenant's metrics"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    assert_eq!(quota["metric"]["tenant"], "scraped");
+    let q: f64 = quota["value"][1].as_str().unwrap().parse().unwrap();
+    assert!(
+        (64.0 * MIB as f64..=512.0 * MIB as f64).contains(&q),
+        "quota {q} outside minimum..budget"
+    );
+    assert!(faults > 0.0);
+    let budget = query("memtide_host_dram_budget_bytes");
+    assert_eq!(budget[0]["value"][1], "536870912");
+    finished_clean(t, "scraped tenant");
+}
+
+#[test]
+fn bad_host_input_gets_one_line() {
+    common::fails_with(
+        &["status", "--socket", "/nonexistent/host.sock"],
+        "cannot reach the memtide host daemon",
+    );
+    common::fails_with(
+        &["run", "--host=/nonexistent/host.sock", "--", "true"],
+        "cannot reach the memtide host daemon",
+    );
+    common::fails_with(&["host", "--dram", "100000GiB"], "more than this machine");
+    common::fails_with(
+        &["host", "--dram", "1GiB", "--ratio", "2"],
+        "not a DRAM:tier ratio",
+    );
+    common::fails_with(
+        &["host", "--dram", "1GiB", "--tier", "/nonexistent"],
+        "not a directory",
+    );
+    common::fails_with(
+        &["host", "--dram", "1GiB", "--metrics", "nowhere"],
+        "expected an address",
+    );
+    let dir = Scratch::new("host-bad");
+    let d = start_daemon(dir.path(), "256MiB", &[]);
+    // A second daemon on the same socket is refused, and the first one still answers.
+    let sock = d.socket.display().to_string();
+    common::fails_with(
+        &[
+            "host",
+            "--dram",
+            "256MiB",
+            "--metrics",
+            "off",
+            "--socket",
+            &sock,
+        ],
+        "another memtide host daemon is listening",
+    );
+    // A minimum the budget cannot guarantee is refused before the program starts.
+    common::fails_with(
+        &[
+            "run",
+            &format!("--host={sock}"),
+            "--dram",
+            "1GiB",
+            "--",
+            "true",
+        ],
+        "cannot guarantee",
+    );
+    assert_eq!(status(&d.socket)["budget_bytes"], 256 * MIB);
+}
+
+#[test]
+fn a_single_run_serves_its_own_metrics() {
+    let dir = Scratch::new("run-metrics");
+    let port = common::free_port();
+    let child = memtide()
+        .args(["run", "--dram", "64MiB", "--tier"])
+        .arg(dir.path())
+        .args([
+            "--metrics",
+            &format!("127.0.0.1:{port}"),
+            "-q",
+            "--name",
+            "alone",
+            "--",
+        ])
+        .arg(env!("CARGO_BIN_EXE_memtide"))
+        .args(["workload", "--footprint", "128MiB", "--seconds", "8"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    common::wait_for_port(port, Duration::from_secs(10));
+    let t0 = Instant::now();
+    let text = loop {
+        let body = http_get(port, "/metrics").unwrap_or_default();
+        let tier_faults = body
+            .lines()
+            .find(|l| l.starts_with("memtide_tenant_faults_total{") && l.contains("kind=\"tier\""))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .unwrap_or(0);
+        if tier_faults > 0 {
+            break body;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(8),
+            "no tier faults in the metrics: {body}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(
+        text.contains("memtide_tenant_quota_bytes{tenant=\"alone\""),
+        "{text}"
+    );
+    assert!(
+        text.contains("memtide_host_dram_budget_bytes 67108864"),
+        "{text}"
+    );
+    finished_clean(child, "metrics run");
+}

@@ -1,0 +1,190 @@
+//! What a host daemon relies on: the DRAM quota changes at run time and the engine converges to
+//! it (shrinking demotes the coldest pages, no byte lost), and the active-memory estimate
+//! follows a known hot set.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::PAGE;
+use memtide_engine::Engine;
+
+fn stamp(page: usize) -> u64 {
+    (page as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x5EED
+}
+
+/// Whether page `i` of `pages` is in a scattered hot set of `pct` percent.
+fn hot(i: usize, pct: usize) -> bool {
+    (i.wrapping_mul(2_654_435_761) >> 7) % 100 < pct
+}
+
+fn fill(base: usize, pages: usize) {
+    for p in 0..pages {
+        // SAFETY: the page lies in managed memory the test allocated.
+        unsafe { ((base + p * PAGE) as *mut u64).write_volatile(stamp(p)) };
+    }
+}
+
+fn verify(base: usize, pages: usize) {
+    for p in 0..pages {
+        // SAFETY: as in `fill`.
+        let v = unsafe { ((base + p * PAGE) as *const u64).read_volatile() };
+        assert_eq!(v, stamp(p), "page {p} lost its bytes");
+    }
+}
+
+/// A thread reading one word of every hot page over and over, until told to stop.
+struct Toucher {
+    stop: Arc<AtomicBool>,
+    pct: Arc<AtomicUsize>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Toucher {
+    fn start(base: usize, pages: usize, pct: usize) -> Toucher {
+        let stop = Arc::new(AtomicBool::new(false));
+        let shared = Arc::new(AtomicUsize::new(pct));
+        let handle = {
+            let (stop, pct) = (stop.clone(), shared.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let pct = pct.load(Ordering::Relaxed);
+                    for p in (0..pages).filter(|&p| hot(p, pct)) {
+                        // SAFETY: as in `fill`.
+                        let v = unsafe { ((base + p * PAGE) as *const u64).read_volatile() };
+                        assert_eq!(v, stamp(p), "page {p} lost its bytes");
+                    }
+                }
+            })
+        };
+        Toucher {
+            stop,
+            pct: shared,
+            handle: Some(handle),
+        }
+    }
+}
+
+impl Drop for Toucher {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.handle.take() {
+            h.join().expect("toucher thread");
+        }
+    }
+}
+
+/// Waits until `epochs` more epochs have ended (the evictor's own clock, not wall time).
+fn wait_epochs(e: &Engine, epochs: u64) {
+    let start = e.snapshot().epochs;
+    let t0 = Instant::now();
+    while e.snapshot().epochs < start + epochs {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the evictor stopped counting epochs"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Waits until `cond` holds, failing with `what` after 30 s.
+fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !cond() {
+        assert!(t0.elapsed() < Duration::from_secs(30), "{what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn quota_shrinks_to_the_coldest_pages_and_grows_back() {
+    let (e, _dir) = common::engine("quota-change", 32 << 20);
+    let pages = (24 << 20) / PAGE;
+    let base = e.alloc(pages * PAGE, PAGE).unwrap();
+    fill(base, pages);
+    assert_eq!(e.snapshot().demotions, 0, "24 MiB fit a 32 MiB quota");
+    let hot_pct = 20;
+    let toucher = Toucher::start(base, pages, hot_pct);
+    // Let the hot set show itself before the quota shrinks.
+    wait_epochs(e, 10);
+
+    let now = e.set_quota_bytes(12 << 20);
+    assert_eq!(now, 12 << 20);
+    assert_eq!(e.snapshot().quota_bytes, 12 << 20);
+    let limit = (12 << 20) / PAGE as u64;
+    wait_for("resident pages never came down to the new quota", || {
+        e.resident_pages() <= limit
+    });
+    // The hot pages are the ones that stayed.
+    wait_epochs(e, 10);
+    let hot_pages: Vec<usize> = (0..pages).filter(|&p| hot(p, hot_pct)).collect();
+    let in_dram = hot_pages
+        .iter()
+        .filter(|&&p| {
+            let s = e.page_info(base + p * PAGE).unwrap().state;
+            s == "Mapped" || s == "Staged"
+        })
+        .count();
+    drop(toucher);
+    assert!(
+        in_dram * 10 >= hot_pages.len() * 9,
+        "only {in_dram} of {} hot pages stayed in DRAM after the quota shrank",
+        hot_pages.len()
+    );
+    let s = e.snapshot();
+    assert!(s.demotions > 0, "shrinking demoted nothing: {s:?}");
+    verify(base, pages);
+    assert!(
+        e.resident_pages() <= limit + 256,
+        "reading everything back kept to the quota (plus a batch in flight)"
+    );
+
+    // Grow: everything fits again, and once it is back nothing more is demoted.
+    e.set_quota_bytes(64 << 20);
+    verify(base, pages);
+    let demoted = e.snapshot().demotions;
+    verify(base, pages);
+    wait_epochs(e, 5);
+    let s = e.snapshot();
+    assert_eq!(
+        s.demotions, demoted,
+        "pages left DRAM under a quota they fit: {s:?}"
+    );
+    assert_eq!(s.quota_bytes, 64 << 20);
+    assert!(
+        s.dram_bytes >= (pages * PAGE) as u64,
+        "all of it is back in DRAM: {s:?}"
+    );
+    e.audit().unwrap();
+}
+
+#[test]
+fn active_memory_estimate_follows_the_hot_set() {
+    let (e, _dir) = common::engine("active-estimate", 64 << 20);
+    let pages = (48 << 20) / PAGE;
+    let base = e.alloc(pages * PAGE, PAGE).unwrap();
+    fill(base, pages);
+    let toucher = Toucher::start(base, pages, 10);
+    for pct in [10usize, 30, 60] {
+        toucher.pct.store(pct, Ordering::Relaxed);
+        let truth = (0..pages).filter(|&p| hot(p, pct)).count() as f64 * PAGE as f64;
+        // Four windows of five epochs make the estimate; wait for a fifth so that none of
+        // them saw the previous hot set.
+        wait_epochs(e, 30);
+        let est = e.snapshot().active_bytes as f64;
+        eprintln!(
+            "hot {pct}%: true active {:.1} MiB, estimated {:.1} MiB",
+            truth / (1 << 20) as f64,
+            est / (1 << 20) as f64
+        );
+        assert!(
+            (est - truth).abs() <= 0.2 * truth,
+            "hot set {pct}%: estimated {est} bytes active, truly {truth}"
+        );
+    }
+    drop(toucher);
+    verify(base, pages);
+    e.audit().unwrap();
+}

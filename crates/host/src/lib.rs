@@ -1,0 +1,11 @@
+//! memtide's host view: the daemon that shares a host's DRAM among tenants by activeness
+//! (`daemon.rs`), the line protocol tenants and admin clients speak to it (`protocol.rs`), a
+//! client for it (`client.rs`), and the Prometheus metrics and HTTP server (`metrics.rs`).
+//! The quota split itself is pure policy (`memtide_policy::share`). Entry points:
+//! [`daemon::serve`], [`client::Client`], [`metrics::serve_http`].
+#![forbid(unsafe_code)]
+
+pub mod client;
+pub mod daemon;
+pub mod metrics;
+pub mod protocol;

@@ -1,0 +1,364 @@
+//! Prometheus metrics: the host and every tenant, named by the contract in DESIGN.md
+//! (`memtide_<subsystem>_<what>`, units in the name; counters get `_total` from the encoder),
+//! encoded by `prometheus-client` from a [`HostStatus`] taken at scrape time; and the small HTTP
+//! server that serves them (`/metrics`, and the status as JSON at `/api/status`). Entry points:
+//! [`encode`], [`serve_http`].
+
+use std::borrow::Cow;
+use std::net::SocketAddr;
+
+use anyhow::{Context, Result};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, MetricEncoder, NoLabelSet};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+
+use crate::protocol::{HostStatus, TenantReport, TenantStatus};
+
+/// The text a scrape gets for `status`.
+pub fn encode(status: &HostStatus) -> String {
+    let mut reg = Registry::default();
+    reg.register_collector(Box::new(Status(status.clone())));
+    let mut out = String::new();
+    // Writing into a String cannot fail.
+    let _ = prometheus_client::encoding::text::encode(&mut out, &reg);
+    out
+}
+
+#[derive(Debug)]
+struct Status(HostStatus);
+
+type Labels = Vec<(Cow<'static, str>, String)>;
+
+fn labels(t: &TenantStatus) -> Labels {
+    vec![
+        ("tenant".into(), t.name.clone()),
+        ("id".into(), t.tenant.to_string()),
+        ("pid".into(), t.pid.to_string()),
+    ]
+}
+
+/// A histogram whose buckets were counted elsewhere (by the engine).
+#[derive(Debug)]
+struct ConstHistogram<'a> {
+    sum: f64,
+    count: u64,
+    buckets: &'a [(f64, u64)],
+}
+
+impl EncodeMetric for ConstHistogram<'_> {
+    fn encode(&self, mut e: MetricEncoder) -> Result<(), std::fmt::Error> {
+        e.encode_histogram::<NoLabelSet>(self.sum, self.count, self.buckets, None)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Histogram
+    }
+}
+
+/// A gauge: one value per label set; a single row without labels is the host's own.
+fn gauge(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    rows: &[(Labels, i64)],
+) -> Result<(), std::fmt::Error> {
+    let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    match rows {
+        [(l, v)] if l.is_empty() => ConstGauge::new(*v).encode(m)?,
+        _ => {
+            for (l, v) in rows {
+                ConstGauge::new(*v).encode(m.encode_family(l)?)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn counter(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    rows: &[(Labels, u64)],
+) -> Result<(), std::fmt::Error> {
+    let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
+    for (l, v) in rows {
+        ConstCounter::new(*v).encode(m.encode_family(l)?)?;
+    }
+    Ok(())
+}
+
+fn health_value(colour: &str) -> i64 {
+    match colour {
+        "red" => 2,
+        "yellow" => 1,
+        _ => 0,
+    }
+}
+
+impl Collector for Status {
+    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let s = &self.0;
+        let host: Labels = Vec::new();
+        let h = |v: u64| vec![(host.clone(), v as i64)];
+        gauge(
+            &mut enc,
+            "memtide_host_dram_budget_bytes",
+            "DRAM the host daemon shares among tenants.",
+            &h(s.budget_bytes),
+        )?;
+        gauge(
+            &mut enc,
+            "memtide_host_tier_capacity_bytes",
+            "Tier-1 capacity of the host.",
+            &h(s.tier_capacity_bytes),
+        )?;
+        gauge(
+            &mut enc,
+            "memtide_host_quota_bytes",
+            "Sum of the tenants' DRAM quotas.",
+            &h(s.quota_bytes),
+        )?;
+        gauge(
+            &mut enc,
+            "memtide_host_dram_bytes",
+            "Managed memory in DRAM, all tenants.",
+            &h(s.dram_bytes),
+        )?;
+        gauge(
+            &mut enc,
+            "memtide_host_tier_bytes",
+            "Managed memory in tier 1, all tenants.",
+            &h(s.tier_bytes),
+        )?;
+        gauge(
+            &mut enc,
+            "memtide_host_active_bytes",
+            "Estimated active memory, all tenants.",
+            &h(s.active_bytes),
+        )?;
+        gauge(
+            &mut enc,
+            "memtide_host_tenants",
+            "Tenants registered.",
+            &h(s.tenants.len() as u64),
+        )?;
+        gauge(
+            &mut enc,
+            "memtide_host_active_health",
+            "Active memory against the budget: 0 green (<50%), 1 yellow (50-75%), 2 red (>75%).",
+            &[(host.clone(), health_value(&s.active_health))],
+        )?;
+        gauge(
+            &mut enc,
+            "memtide_host_tier_read_latency_health",
+            "Worst tenant's tier-1 read p99: 0 green (<200us), 1 yellow (200-400us), 2 red (>400us).",
+            &[(host.clone(), health_value(&s.latency_health))],
+        )?;
+
+        let per = |f: &dyn Fn(&TenantStatus) -> i64| -> Vec<(Labels, i64)> {
+            s.tenants.iter().map(|t| (labels(t), f(t))).collect()
+        };
+        let per_c = |f: &dyn Fn(&TenantReport) -> u64| -> Vec<(Labels, u64)> {
+            s.tenants
+                .iter()
+                .map(|t| (labels(t), f(&t.report)))
+                .collect()
+        };
+        gauge(
+            &mut enc,
+            "memtide_tenant_quota_bytes",
+            "The tenant's DRAM quota.",
+            &per(&|t| t.quota_bytes as i64),
+        )?;
+        gauge(
+            &mut enc,
+            "memtide_tenant_min_bytes",
+            "The tenant's guaranteed DRAM.",
+            &per(&|t| t.min_bytes as i64),
+        )?;
+        gauge(
+            &mut enc,
+            "memtide_tenant_dram_bytes",
+            "The tenant's managed memory in DRAM.",
+            &per(&|t| t.report.dram_bytes as i64),
+        )?;
+        gauge(
+            &mut enc,
+            "memtide_tenant_tier_bytes",
+            "The tenant's managed memory in tier 1.",
+            &per(&|t| t.report.tier_bytes as i64),
+        )?;
+        gauge(
+            &mut enc,
+            "memtide_tenant_active_bytes",
+            "The tenant's estimated active memory (pages touched within a second, sampled).",
+            &per(&|t| t.report.active_bytes as i64),
+        )?;
+        gauge(
+            &mut enc,
+            "memtide_tenant_pinned",
+            "1 if the tenant is never tiered.",
+            &per(&|t| t.pinned as u64 as i64),
+        )?;
+        gauge(
+            &mut enc,
+            "memtide_tenant_health",
+            "The tenant's colour: 0 green, 1 yellow, 2 red (active memory against its quota, tier read p99).",
+            &per(&|t| health_value(&t.health)),
+        )?;
+        {
+            let mut m = enc.encode_descriptor(
+                "memtide_tenant_faults",
+                "Faults by kind: zero (first touch), tier (read from tier 1), inactive (hint fault, no I/O), wait (waited for a page in flight).",
+                None,
+                MetricType::Counter,
+            )?;
+            for t in &s.tenants {
+                for (kind, v) in [
+                    ("zero", t.report.faults_zero),
+                    ("tier", t.report.faults_tier),
+                    ("inactive", t.report.faults_inactive),
+                    ("wait", t.report.faults_wait),
+                ] {
+                    let mut l = labels(t);
+                    l.push(("kind".into(), kind.into()));
+                    ConstCounter::new(v).encode(m.encode_family(&l)?)?;
+                }
+            }
+        }
+        counter(
+            &mut enc,
+            "memtide_tenant_promotions",
+            "Pages brought back into DRAM.",
+            &per_c(&|r| r.promotions),
+        )?;
+        counter(
+            &mut enc,
+            "memtide_tenant_demotions",
+            "Pages moved out of DRAM to tier 1.",
+            &per_c(&|r| r.demotions),
+        )?;
+        counter(
+            &mut enc,
+            "memtide_tenant_tier_read_bytes",
+            "Bytes read from tier 1.",
+            &per_c(&|r| r.tier_read_bytes),
+        )?;
+        counter(
+            &mut enc,
+            "memtide_tenant_tier_write_bytes",
+            "Bytes written to tier 1.",
+            &per_c(&|r| r.tier_write_bytes),
+        )?;
+        {
+            let mut m = enc.encode_descriptor(
+                "memtide_tenant_tier_read_latency_seconds",
+                "Tier-1 read latency.",
+                None,
+                MetricType::Histogram,
+            )?;
+            for t in &s.tenants {
+                let buckets: Vec<(f64, u64)> = t
+                    .report
+                    .tier_read_latency_buckets
+                    .iter()
+                    .map(|&(le_us, n)| (le_us / 1e6, n))
+                    .chain(std::iter::once((f64::INFINITY, t.report.tier_reads)))
+                    .collect();
+                ConstHistogram {
+                    sum: t.report.tier_read_latency_sum_us / 1e6,
+                    count: t.report.tier_reads,
+                    buckets: &buckets,
+                }
+                .encode(m.encode_family(&labels(t))?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Serves `/metrics` (and `/api/status`) on `addr` from `status`, on a thread of its own.
+/// Returns the address bound (port 0 picks one).
+pub fn serve_http(
+    addr: SocketAddr,
+    status: impl Fn() -> HostStatus + Send + 'static,
+) -> Result<SocketAddr> {
+    let server = tiny_http::Server::http(addr)
+        .map_err(|e| anyhow::anyhow!("{e}"))
+        .with_context(|| format!("cannot serve metrics on {addr}"))?;
+    let bound = server
+        .server_addr()
+        .to_ip()
+        .context("the metrics server has no IP address")?;
+    std::thread::Builder::new()
+        .name("memtide-http".into())
+        .spawn(move || {
+            for req in server.incoming_requests() {
+                let path = req.url().split('?').next().unwrap_or("").to_string();
+                let (body, ctype, code) = match path.as_str() {
+                    "/metrics" => (
+                        encode(&status()),
+                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                        200,
+                    ),
+                    "/api/status" => (
+                        serde_json::to_string(&status()).unwrap_or_default(),
+                        "application/json",
+                        200,
+                    ),
+                    _ => ("not found\n".to_string(), "text/plain", 404),
+                };
+                let header = tiny_http::Header::from_bytes(&b"Content-Type"[..], ctype.as_bytes())
+                    .expect("static header");
+                let _ = req.respond(
+                    tiny_http::Response::from_string(body)
+                        .with_status_code(code)
+                        .with_header(header),
+                );
+            }
+        })?;
+    Ok(bound)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_follow_the_naming_contract() {
+        let mut t = TenantStatus {
+            tenant: 1,
+            name: "redis".into(),
+            pid: 42,
+            quota_bytes: 1 << 30,
+            health: "red".into(),
+            ..TenantStatus::default()
+        };
+        t.report.faults_tier = 17;
+        t.report.tier_reads = 3;
+        t.report.tier_read_latency_sum_us = 300.0;
+        t.report.tier_read_latency_buckets = vec![(100.0, 2), (200.0, 3)];
+        let s = HostStatus {
+            budget_bytes: 8 << 30,
+            active_health: "green".into(),
+            latency_health: "green".into(),
+            tenants: vec![t],
+            ..HostStatus::default()
+        };
+        let text = encode(&s);
+        for want in [
+            "memtide_host_dram_budget_bytes 8589934592",
+            "memtide_tenant_quota_bytes{tenant=\"redis\",id=\"1\",pid=\"42\"} 1073741824",
+            "memtide_tenant_faults_total{tenant=\"redis\",id=\"1\",pid=\"42\",kind=\"tier\"} 17",
+            "memtide_tenant_health{tenant=\"redis\",id=\"1\",pid=\"42\"} 2",
+            "memtide_tenant_tier_read_latency_seconds_bucket{le=\"0.0001\",tenant=\"redis\",id=\"1\",pid=\"42\"} 2",
+            "memtide_tenant_tier_read_latency_seconds_count{tenant=\"redis\",id=\"1\",pid=\"42\"} 3",
+        ] {
+            assert!(text.contains(want), "missing {want:?} in:\n{text}");
+        }
+        assert!(text.ends_with("# EOF\n"));
+    }
+}

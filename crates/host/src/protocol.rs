@@ -1,0 +1,385 @@
+//! What tenants and admin clients say to the host daemon: one JSON object per line over its
+//! Unix socket, each answered by one line. A line longer than [`MAX_LINE`] or one that does not
+//! decode gets an error reply and never ends the daemon. Entry points: [`Request`],
+//! [`Response`], [`read_line`], [`decode`].
+
+use std::io::{self, BufRead};
+
+use memtide_engine::Snapshot;
+use serde::{Deserialize, Serialize};
+
+/// Longest line either side sends (a status of a few hundred tenants fits easily).
+pub const MAX_LINE: usize = 1 << 20;
+
+/// A client's request.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum Request {
+    /// Makes the connection's program a tenant. Its share is released when the connection
+    /// closes.
+    Register(Registration),
+    /// The tenant's figures now; answered with its quota.
+    Report(TenantReport),
+    /// The host and its tenants (a tenant sees only itself).
+    Status,
+    /// Changes a tenant's minimum, maximum or pinning (a tenant may change only itself).
+    Set(Change),
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Registration {
+    pub name: String,
+    /// The program's process (for status; the daemon trusts the socket's credentials, not
+    /// this, for who may do what).
+    pub pid: u32,
+    /// Guaranteed DRAM (for a pinned tenant: its reservation).
+    pub min_bytes: u64,
+    #[serde(default)]
+    pub max_bytes: Option<u64>,
+    /// Never tiered: the program runs without memtide and is charged `min_bytes`.
+    #[serde(default)]
+    pub pinned: bool,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Change {
+    /// The tenant to change (default: the connection's own).
+    #[serde(default)]
+    pub tenant: Option<u64>,
+    #[serde(default)]
+    pub min_bytes: Option<u64>,
+    /// `Some(0)` removes the maximum.
+    #[serde(default)]
+    pub max_bytes: Option<u64>,
+}
+
+/// A tenant's figures, summed over its processes.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct TenantReport {
+    /// The program's process (0: not known yet).
+    #[serde(default)]
+    pub pid: u32,
+    pub dram_bytes: u64,
+    pub tier_bytes: u64,
+    pub managed_bytes: u64,
+    pub active_bytes: u64,
+    pub faults_zero: u64,
+    pub faults_tier: u64,
+    pub faults_inactive: u64,
+    pub faults_wait: u64,
+    pub promotions: u64,
+    pub demotions: u64,
+    pub tier_read_bytes: u64,
+    pub tier_write_bytes: u64,
+    /// Cumulative tier-read counts at upper bounds in microseconds.
+    pub tier_read_latency_buckets: Vec<(f64, u64)>,
+    pub tier_read_latency_sum_us: f64,
+    pub tier_reads: u64,
+    pub tier_read_latency_p50_us: f64,
+    pub tier_read_latency_p99_us: f64,
+}
+
+impl TenantReport {
+    /// The figures of a tenant's processes, summed (latency quantiles: the worst process's).
+    pub fn of<'a>(snaps: impl IntoIterator<Item = &'a Snapshot>) -> TenantReport {
+        let mut r = TenantReport::default();
+        for s in snaps {
+            r.dram_bytes += s.dram_bytes;
+            r.tier_bytes += s.tier_bytes;
+            r.managed_bytes += s.managed_bytes;
+            r.active_bytes += s.active_bytes;
+            r.faults_zero += s.faults_zero;
+            r.faults_tier += s.faults_tier;
+            r.faults_inactive += s.faults_inactive;
+            r.faults_wait += s.faults_wait;
+            r.promotions += s.promotions;
+            r.demotions += s.demotions;
+            r.tier_read_bytes += s.tier_read_bytes;
+            r.tier_write_bytes += s.tier_write_bytes;
+            if r.tier_read_latency_buckets.is_empty() {
+                r.tier_read_latency_buckets = s.tier_read_latency_buckets.clone();
+            } else {
+                for (b, &(le, n)) in r
+                    .tier_read_latency_buckets
+                    .iter_mut()
+                    .zip(&s.tier_read_latency_buckets)
+                {
+                    if b.0 == le {
+                        b.1 += n;
+                    }
+                }
+            }
+            r.tier_read_latency_sum_us += s.tier_read_latency_sum_us;
+            r.tier_reads += s.tier_reads;
+            r.tier_read_latency_p50_us = r.tier_read_latency_p50_us.max(s.tier_read_latency_p50_us);
+            r.tier_read_latency_p99_us = r.tier_read_latency_p99_us.max(s.tier_read_latency_p99_us);
+        }
+        r
+    }
+}
+
+/// The latency at quantile `q` (0..1) of the tier reads between two reports (`before` may be
+/// empty: since the start), in microseconds, interpolated within the bucket as Prometheus's
+/// `histogram_quantile` does; `None` without reads in between. Reads slower than the last
+/// bound count as the last bound.
+pub fn window_quantile_us(
+    now: &TenantReport,
+    before: Option<&TenantReport>,
+    q: f64,
+) -> Option<f64> {
+    let at = |r: Option<&TenantReport>, i: usize| -> u64 {
+        r.and_then(|r| r.tier_read_latency_buckets.get(i))
+            .map_or(0, |b| b.1)
+    };
+    let total = now
+        .tier_reads
+        .saturating_sub(before.map_or(0, |b| b.tier_reads));
+    if total == 0 || now.tier_read_latency_buckets.is_empty() {
+        return None;
+    }
+    let rank = q * total as f64;
+    let mut lower = (0.0, 0u64);
+    for (i, &(le, _)) in now.tier_read_latency_buckets.iter().enumerate() {
+        let cum = at(Some(now), i).saturating_sub(at(before, i));
+        if cum as f64 >= rank {
+            let in_bucket = (cum - lower.1) as f64;
+            let frac = if in_bucket > 0.0 {
+                (rank - lower.1 as f64) / in_bucket
+            } else {
+                1.0
+            };
+            return Some(lower.0 + (le - lower.0) * frac.clamp(0.0, 1.0));
+        }
+        lower = (le, cum);
+    }
+    Some(lower.0)
+}
+
+/// The daemon's answer.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "snake_case")]
+pub enum Response {
+    Registered {
+        tenant: u64,
+        quota_bytes: u64,
+        /// Where the tenant's tier file goes, and the most it may hold.
+        tier_dir: String,
+        tier_bytes: u64,
+    },
+    Quota {
+        quota_bytes: u64,
+    },
+    Status(HostStatus),
+    Done,
+    Error {
+        message: String,
+    },
+}
+
+/// The host as `memtide status` shows it.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct HostStatus {
+    pub budget_bytes: u64,
+    pub tier_dir: String,
+    pub tier_capacity_bytes: u64,
+    /// Sums over the tenants.
+    pub quota_bytes: u64,
+    pub dram_bytes: u64,
+    pub tier_bytes: u64,
+    pub active_bytes: u64,
+    /// Health of active memory against the budget, and of tier-read latency (the worst
+    /// tenant's, over the last report interval).
+    pub active_health: String,
+    pub tier_read_latency_p50_us: f64,
+    pub tier_read_latency_p99_us: f64,
+    pub latency_health: String,
+    pub uptime_seconds: f64,
+    pub tenants: Vec<TenantStatus>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct TenantStatus {
+    pub tenant: u64,
+    pub name: String,
+    pub pid: u32,
+    pub uid: u32,
+    pub pinned: bool,
+    pub min_bytes: u64,
+    pub max_bytes: Option<u64>,
+    pub quota_bytes: u64,
+    /// Active memory as a share of the quota, and its colour.
+    pub active_pct: f64,
+    pub health: String,
+    /// Per second, over the last report interval.
+    pub faults_per_second: f64,
+    pub tier_faults_per_second: f64,
+    pub promotions_per_second: f64,
+    /// Tier-read latency over the last report interval (0 without reads).
+    pub recent_read_p50_us: f64,
+    pub recent_read_p99_us: f64,
+    pub seconds: f64,
+    pub report: TenantReport,
+}
+
+/// Why a line was not a request.
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    #[error("message longer than {MAX_LINE} bytes")]
+    TooLong,
+    #[error("message is not UTF-8")]
+    NotUtf8,
+    #[error("malformed message: {0}")]
+    Malformed(String),
+}
+
+/// Reads one line of at most [`MAX_LINE`] bytes (without its newline). `Ok(None)` at the end
+/// of the stream. A longer line is consumed to its end and reported as [`DecodeError::TooLong`]
+/// (as `Ok(Some(Err(..)))`), so the connection can go on.
+pub fn read_line(r: &mut impl BufRead) -> io::Result<Option<Result<String, DecodeError>>> {
+    let mut buf = Vec::new();
+    let mut too_long = false;
+    loop {
+        let chunk = r.fill_buf()?;
+        if chunk.is_empty() {
+            if buf.is_empty() && !too_long {
+                return Ok(None);
+            }
+            break;
+        }
+        let (part, done) = match chunk.iter().position(|&b| b == b'\n') {
+            Some(i) => (&chunk[..i], Some(i + 1)),
+            None => (chunk, None),
+        };
+        if !too_long {
+            if buf.len() + part.len() > MAX_LINE {
+                too_long = true;
+                buf = Vec::new();
+            } else {
+                buf.extend_from_slice(part);
+            }
+        }
+        let used = done.unwrap_or(chunk.len());
+        r.consume(used);
+        if done.is_some() {
+            break;
+        }
+    }
+    if too_long {
+        return Ok(Some(Err(DecodeError::TooLong)));
+    }
+    Ok(Some(
+        String::from_utf8(buf).map_err(|_| DecodeError::NotUtf8),
+    ))
+}
+
+/// Decodes a request line.
+pub fn decode(line: &str) -> Result<Request, DecodeError> {
+    serde_json::from_str(line).map_err(|e| DecodeError::Malformed(e.to_string()))
+}
+
+/// One line to send.
+pub fn encode<T: Serialize>(msg: &T) -> String {
+    let mut s = serde_json::to_string(msg).unwrap_or_else(|e| {
+        serde_json::to_string(&Response::Error {
+            message: e.to_string(),
+        })
+        .unwrap_or_default()
+    });
+    s.push('\n');
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn requests_round_trip() {
+        for r in [
+            Request::Register(Registration {
+                name: "redis".into(),
+                pid: 7,
+                min_bytes: 1 << 30,
+                max_bytes: None,
+                pinned: false,
+            }),
+            Request::Report(TenantReport::default()),
+            Request::Status,
+            Request::Set(Change {
+                tenant: Some(3),
+                min_bytes: Some(5),
+                max_bytes: None,
+            }),
+        ] {
+            let line = encode(&r);
+            assert!(line.ends_with('\n'));
+            assert_eq!(decode(line.trim_end()).unwrap(), r);
+        }
+    }
+
+    #[test]
+    fn window_quantiles_interpolate_within_buckets() {
+        let mut before = TenantReport {
+            tier_reads: 100,
+            tier_read_latency_buckets: vec![(100.0, 100), (200.0, 100), (400.0, 100)],
+            ..TenantReport::default()
+        };
+        let now = TenantReport {
+            tier_reads: 300,
+            tier_read_latency_buckets: vec![(100.0, 100), (200.0, 200), (400.0, 300)],
+            ..TenantReport::default()
+        };
+        // Since `before`: 100 reads in (100, 200], 100 in (200, 400].
+        assert_eq!(window_quantile_us(&now, Some(&before), 0.5), Some(200.0));
+        assert_eq!(window_quantile_us(&now, Some(&before), 0.75), Some(300.0));
+        // Since the start: a third below 100 µs.
+        assert_eq!(window_quantile_us(&now, None, 0.25), Some(75.0));
+        before.tier_reads = 300;
+        assert_eq!(window_quantile_us(&now, Some(&now), 0.5), None);
+    }
+
+    #[test]
+    fn long_lines_are_refused_and_the_stream_goes_on() {
+        let mut input = vec![b'x'; MAX_LINE + 10];
+        input.push(b'\n');
+        input.extend_from_slice(b"\"status\"\n");
+        let mut r = io::BufReader::with_capacity(4096, &input[..]);
+        assert!(matches!(
+            read_line(&mut r).unwrap(),
+            Some(Err(DecodeError::TooLong))
+        ));
+        let next = read_line(&mut r).unwrap().unwrap().unwrap();
+        assert_eq!(decode(&next).unwrap(), Request::Status);
+        assert!(read_line(&mut r).unwrap().is_none());
+    }
+
+    proptest! {
+        /// The decoder takes any bytes without panicking: each line decodes or is an error.
+        #[test]
+        fn decoder_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..2048)) {
+            let mut r = io::BufReader::with_capacity(64, &bytes[..]);
+            let mut lines = 0;
+            while let Some(line) = read_line(&mut r).unwrap() {
+                if let Ok(l) = line {
+                    let _ = decode(&l);
+                }
+                lines += 1;
+                prop_assert!(lines <= bytes.len() + 1);
+            }
+        }
+
+        /// JSON-shaped junk: valid JSON that is not a request is refused, not taken.
+        #[test]
+        fn json_that_is_not_a_request_is_refused(
+            key in "[a-z_]{1,12}",
+            n in any::<i64>(),
+        ) {
+            prop_assume!(!["register", "report", "status", "set"].contains(&key.as_str()));
+            let line = format!("{{\"{key}\": {n}}}");
+            prop_assert!(decode(&line).is_err());
+        }
+    }
+}

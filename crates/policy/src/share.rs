@@ -1,0 +1,309 @@
+//! Splitting a host's DRAM among tenants by activeness: each tenant is guaranteed its minimum,
+//! pinned tenants (never tiered) are charged their reservation, and the rest of the budget goes
+//! where it is used — to each tenant in proportion to how much of its memory is active, up to
+//! what it can use. Quotas move only when the change is worth it (hysteresis), so they do not
+//! flap with the noise of the activeness estimate. Entry point: [`split`].
+//!
+//! # Invariants (property-tested)
+//!
+//! - The quotas never add up to more than the budget.
+//! - A tiered tenant never gets less than its minimum while the minimums fit the budget (the
+//!   daemon refuses a tenant whose minimum does not fit), nor more than its maximum.
+//! - A busy tenant cannot take another's minimum.
+
+/// What the host knows of one tenant when it splits the budget (all in pages).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Demand {
+    /// Guaranteed DRAM.
+    pub min: u64,
+    /// Most DRAM it may get (`u64::MAX`: no limit of its own).
+    pub max: u64,
+    /// Never tiered: it is charged its minimum (its reservation), whatever it holds.
+    pub pinned: bool,
+    /// Pages it holds in DRAM or tier 1 (what more DRAM could hold at most).
+    pub held: u64,
+    /// Estimated active pages.
+    pub active: u64,
+}
+
+/// How the split behaves.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ShareRules {
+    /// A tenant's quota moves only when the new one differs from the current by more than
+    /// this fraction of it (and of the budget divided among the tenants).
+    pub hysteresis: f64,
+    /// A tenant is given room for this multiple of its active memory before spare DRAM is
+    /// shared out by size.
+    pub active_headroom: f64,
+}
+
+impl Default for ShareRules {
+    fn default() -> Self {
+        ShareRules {
+            hysteresis: 0.05,
+            active_headroom: 1.25,
+        }
+    }
+}
+
+/// The quota of each tenant (in pages, in the order given) for a `budget` of pages, given the
+/// quotas in force (`current`, same order; 0 for a tenant that has none yet). A pinned
+/// tenant's "quota" is its reservation.
+pub fn split(budget: u64, tenants: &[Demand], current: &[u64], rules: &ShareRules) -> Vec<u64> {
+    let target = targets(budget, tenants, rules);
+    // Hysteresis: keep a quota in force when the target is close to it, if the sum allows.
+    let fair = budget / tenants.len().max(1) as u64;
+    let kept: Vec<u64> = target
+        .iter()
+        .zip(tenants)
+        .enumerate()
+        .map(|(i, (&t, d))| {
+            let cur = current.get(i).copied().unwrap_or(0);
+            if d.pinned || cur == 0 || cur < d.min.min(d.max) || cur > d.max {
+                return t;
+            }
+            let band = (cur.min(fair) as f64 * rules.hysteresis) as u64;
+            if cur.abs_diff(t) <= band {
+                cur
+            } else {
+                t
+            }
+        })
+        .collect();
+    if kept.iter().sum::<u64>() <= budget {
+        kept
+    } else {
+        target
+    }
+}
+
+/// The split without hysteresis.
+fn targets(budget: u64, tenants: &[Demand], rules: &ShareRules) -> Vec<u64> {
+    let n = tenants.len();
+    let mut q = vec![0u64; n];
+    // Every tenant starts at its minimum (a pinned one's is its reservation); minimums beyond
+    // the budget are cut (the daemon refuses such a tenant at admission).
+    let mut left = budget;
+    for (i, d) in tenants.iter().enumerate() {
+        q[i] = d.min.min(d.max).min(left);
+        left -= q[i];
+    }
+    // First: room for each tiered tenant's active memory (with headroom), shared in
+    // proportion to what is wanted when it does not all fit.
+    let wants: Vec<u64> = tenants
+        .iter()
+        .zip(&q)
+        .map(|(d, &have)| {
+            if d.pinned {
+                return 0;
+            }
+            let goal = ((d.active as f64 * rules.active_headroom) as u64).min(d.held);
+            goal.min(d.max).saturating_sub(have)
+        })
+        .collect();
+    let total: u64 = wants.iter().sum();
+    if total > 0 && left > 0 {
+        for (i, &w) in wants.iter().enumerate() {
+            let g = if total <= left {
+                w
+            } else {
+                (w as u128 * left as u128 / total as u128) as u64
+            };
+            q[i] += g;
+        }
+        left = budget.saturating_sub(q.iter().sum());
+    }
+    // Then the spare DRAM, to tenants that hold more than their quota, in proportion to their
+    // activeness (water-filling: what one cannot use goes round again to the others).
+    for _ in 0..tenants.len().max(1) {
+        let room: Vec<u64> = tenants
+            .iter()
+            .zip(&q)
+            .map(|(d, &have)| {
+                if d.pinned {
+                    0
+                } else {
+                    d.held.min(d.max).saturating_sub(have)
+                }
+            })
+            .collect();
+        let weight: Vec<u128> = tenants
+            .iter()
+            .zip(&room)
+            .map(|(d, &r)| if r > 0 { d.active as u128 + 1 } else { 0 })
+            .collect();
+        let total: u128 = weight.iter().sum();
+        if total == 0 || left == 0 {
+            break;
+        }
+        let mut given = 0;
+        for i in 0..n {
+            let g = ((left as u128 * weight[i] / total) as u64).min(room[i]);
+            q[i] += g;
+            given += g;
+        }
+        if given == 0 {
+            // Less than one page each: the rounding's remainder goes to the most active.
+            let i = (0..n)
+                .max_by_key(|&i| weight[i])
+                .expect("a tenant has weight");
+            given = left.min(room[i]);
+            q[i] += given;
+        }
+        left -= given;
+    }
+    // Whatever is still unclaimed (every tenant holds less than its share) is not handed out:
+    // a tenant that grows gets it at the next split.
+    q
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn tiered(min: u64, held: u64, active: u64) -> Demand {
+        Demand {
+            min,
+            max: u64::MAX,
+            pinned: false,
+            held,
+            active,
+        }
+    }
+
+    #[test]
+    fn busy_tenant_gets_the_spare_dram_idle_one_keeps_its_minimum() {
+        let t = [tiered(100, 2000, 1500), tiered(100, 2000, 10)];
+        let q = split(1000, &t, &[0, 0], &ShareRules::default());
+        assert_eq!(
+            q,
+            vec![900, 100],
+            "the idle tenant's minimum covers its active memory"
+        );
+    }
+
+    #[test]
+    fn spare_dram_follows_activeness_not_size() {
+        let t = [tiered(100, 2000, 600), tiered(100, 2000, 50)];
+        let q = split(1500, &t, &[0, 0], &ShareRules::default());
+        assert_eq!(q.iter().sum::<u64>(), 1500);
+        assert_eq!(q, vec![1350, 150]);
+    }
+
+    #[test]
+    fn everything_fits_everyone_gets_what_it_holds() {
+        let t = [tiered(10, 300, 50), tiered(10, 200, 200)];
+        let q = split(1000, &t, &[0, 0], &ShareRules::default());
+        assert_eq!(q, vec![300, 200]);
+    }
+
+    #[test]
+    fn pinned_tenant_is_charged_its_reservation() {
+        let t = [
+            Demand {
+                min: 400,
+                max: u64::MAX,
+                pinned: true,
+                held: 300,
+                active: 300,
+            },
+            tiered(100, 5000, 5000),
+        ];
+        let q = split(1000, &t, &[0, 0], &ShareRules::default());
+        assert_eq!(q, vec![400, 600]);
+    }
+
+    #[test]
+    fn maximum_caps_a_tenant() {
+        let mut a = tiered(10, 5000, 5000);
+        a.max = 300;
+        let q = split(
+            1000,
+            &[a, tiered(10, 5000, 100)],
+            &[0, 0],
+            &ShareRules::default(),
+        );
+        assert_eq!(q[0], 300);
+        assert_eq!(q[1], 700);
+    }
+
+    #[test]
+    fn small_changes_keep_the_quota_in_force() {
+        let t = [tiered(100, 5000, 500), tiered(100, 5000, 520)];
+        let first = split(1000, &t, &[0, 0], &ShareRules::default());
+        let t2 = [tiered(100, 5000, 510), tiered(100, 5000, 505)];
+        let second = split(1000, &t2, &first, &ShareRules::default());
+        assert_eq!(first, second, "a 2% wobble of activeness moved the quotas");
+        let t3 = [tiered(100, 5000, 900), tiered(100, 5000, 100)];
+        let third = split(1000, &t3, &second, &ShareRules::default());
+        assert!(
+            third[0] > first[0] + 100,
+            "a real shift must move them: {third:?}"
+        );
+    }
+
+    fn demand() -> impl Strategy<Value = Demand> {
+        (
+            0u64..400,
+            prop::option::of(0u64..3000),
+            any::<bool>(),
+            0u64..3000,
+            0u64..3000,
+        )
+            .prop_map(|(min, max, pinned, held, active)| Demand {
+                min,
+                max: max.map_or(u64::MAX, |m| m.max(min)),
+                pinned,
+                held,
+                active: active.min(held),
+            })
+    }
+
+    proptest! {
+        /// Random join/leave/activity sequences: the quotas never exceed the budget, and every
+        /// tiered tenant keeps its minimum and its maximum.
+        #[test]
+        fn quotas_stay_within_the_budget(
+            budget in 1000u64..10_000,
+            steps in prop::collection::vec(
+                (prop::option::of(demand()), any::<prop::sample::Index>(), 0u64..3000),
+                1..40,
+            ),
+        ) {
+            let rules = ShareRules::default();
+            let mut tenants: Vec<Demand> = Vec::new();
+            let mut quotas: Vec<u64> = Vec::new();
+            for (join, pick, activity) in steps {
+                match join {
+                    Some(d) => {
+                        // Admission: the minimums (and what pinned tenants hold) must fit.
+                        let committed: u64 = tenants.iter().map(|t| t.min).sum();
+                        if committed + d.min <= budget {
+                            tenants.push(d);
+                            quotas.push(0);
+                        }
+                    }
+                    None if !tenants.is_empty() => {
+                        let i = pick.index(tenants.len());
+                        if activity % 3 == 0 {
+                            tenants.remove(i);
+                            quotas.remove(i);
+                        } else if !tenants[i].pinned {
+                            tenants[i].active = activity.min(tenants[i].held);
+                        }
+                    }
+                    None => {}
+                }
+                quotas = split(budget, &tenants, &quotas, &rules);
+                prop_assert!(quotas.iter().sum::<u64>() <= budget, "{quotas:?} over {budget}");
+                for (d, &q) in tenants.iter().zip(&quotas) {
+                    if !d.pinned {
+                        prop_assert!(q >= d.min, "{q} below the minimum of {d:?}");
+                        prop_assert!(q <= d.max, "{q} above the maximum of {d:?}");
+                    }
+                }
+            }
+        }
+    }
+}
