@@ -31,7 +31,9 @@ pub struct BenchArgs {
     /// over loopback from memtide's own load generator), `density` (how many tenants fit in
     /// --host-dram while each keeps 90% / 95% of its all-DRAM throughput), `noisy` (a tenant
     /// beside one streaming over a large cold footprint, each with its own budget) and `vms` (how many QEMU guests of 1 GiB, each serving a paced load, fit in --vm-dram while
-    /// each keeps 90% / 95% of its all-DRAM throughput).
+    /// each keeps 90% / 95% of its all-DRAM throughput) and `quotas` (four tenants with
+    /// different active sets share --host-dram: an equal static split against the host
+    /// daemon's activeness quotas).
     #[arg(long, value_delimiter = ',', default_value = "micro")]
     pub experiments: Vec<String>,
     /// Memory each workload run touches (for memcached and redis: bytes of values stored).
@@ -482,8 +484,18 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
         bail!("--reps must be at least 1");
     }
     for e in &a.experiments {
-        if !["micro", "memcached", "redis", "density", "noisy", "vms"].contains(&e.as_str()) {
-            bail!("unknown experiment `{e}`: choose micro, memcached, redis, density, noisy, vms");
+        if ![
+            "micro",
+            "memcached",
+            "redis",
+            "density",
+            "noisy",
+            "vms",
+            "quotas",
+        ]
+        .contains(&e.as_str())
+        {
+            bail!("unknown experiment `{e}`: choose micro, memcached, redis, density, noisy, vms, quotas");
         }
         if ["memcached", "redis"].contains(&e.as_str()) {
             crate::kv::Server::from_name(e)
@@ -725,6 +737,7 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
             "micro" => micro(&a, &configs, zswap, raw_p50)?,
             "memcached" => crate::kv::run(&a, crate::kv::Server::Memcached, &configs.0, zswap)?,
             "redis" => crate::kv::run(&a, crate::kv::Server::Redis, &configs.0, zswap)?,
+            "quotas" => crate::quotas::quotas(&a)?,
             "density" | "noisy" | "vms" => {
                 if zswap {
                     set_zswap(false)?;

@@ -42,8 +42,8 @@ pub struct HostArgs {
     /// How often quotas are split again.
     #[arg(long, value_parser = opts::seconds, default_value = "1s")]
     pub epoch: f64,
-    /// Serve Prometheus metrics (/metrics) and the status as JSON (/api/status) on this
-    /// address; `off` for none.
+    /// Serve the dashboard (/), Prometheus metrics (/metrics) and the status as JSON
+    /// (/api/status) on this address; `off` for none.
     #[arg(long, default_value = "127.0.0.1:9464")]
     pub metrics: String,
 }
@@ -133,8 +133,14 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
     let shared = Shared::new(Host::new(cfg.clone()));
     let served = match metrics_at {
         Some(addr) => {
-            let s = shared.clone();
-            Some(metrics::serve_http(addr, move || s.lock().status(None))?)
+            let (s, h) = (shared.clone(), shared.clone());
+            Some(metrics::serve_http(
+                addr,
+                metrics::Routes {
+                    status: Box::new(move || s.lock().status(None)),
+                    history: Some(Box::new(move || h.lock().history_json())),
+                },
+            )?)
         }
         None => None,
     };
@@ -145,7 +151,7 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
         bytes(cfg.tier_capacity_bytes),
         cfg.socket.display(),
         served
-            .map(|a| format!(", metrics at http://{a}/metrics"))
+            .map(|a| format!(", dashboard at http://{a}/ (metrics: /metrics)"))
             .unwrap_or_default()
     );
     daemon::serve(listener, shared)?;

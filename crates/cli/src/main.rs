@@ -1,7 +1,8 @@
 //! The `memtide` binary: parses the command line and calls into the subcommands. Thin by design
 //! and without `unsafe`: `run.rs` starts a program with tiered memory (memtide's main job, over
-//! the engine's `launch` module), `sim.rs` and `plan.rs` are the simulator's and planner's
-//! commands (over `memtide-sim`); demo, bench, probe and the built-in workload are the
+//! the engine's `launch` module), `host.rs` and `top.rs` the host daemon and its views (over
+//! `memtide-host`), `sim.rs` and `plan.rs` are the simulator's and planner's commands (over
+//! `memtide-sim`); demo, bench, probe and the built-in workload are the
 //! laboratory in `memtide-bench`. Entry point: [`main`].
 #![forbid(unsafe_code)]
 
@@ -9,6 +10,7 @@ mod host;
 mod plan;
 mod run;
 mod sim;
+mod top;
 
 use std::process::ExitCode;
 
@@ -62,6 +64,8 @@ enum Cmd {
     Host(host::HostArgs),
     /// The host daemon's view, once: the host line and a row per tenant.
     Status(host::StatusArgs),
+    /// The host daemon's view, live in the terminal: sortable, refreshed every second.
+    Top(top::TopArgs),
     /// The built-in workload (used by demo and bench).
     #[command(hide = true)]
     Workload(workload::WorkloadArgs),
@@ -81,6 +85,7 @@ fn main() -> ExitCode {
         Cmd::Plan(a) => plan::plan(a),
         Cmd::Host(a) => host::host(a),
         Cmd::Status(a) => host::status(a),
+        Cmd::Top(a) => top::top(a),
         Cmd::Probe(a) => probe::probe(a),
         Cmd::BenchJanitor => bench::janitor(),
         Cmd::Workload(a) => workload::main(a),

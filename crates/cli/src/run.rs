@@ -292,10 +292,16 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     if let Some(addr) = a.metrics {
         let view = view.clone();
         let name = name.clone();
-        let bound = memtide_host::metrics::serve_http(addr, move || {
-            let v = view.lock().unwrap_or_else(|e| e.into_inner());
-            single_tenant_status(&name, &v)
-        })?;
+        let bound = memtide_host::metrics::serve_http(
+            addr,
+            memtide_host::metrics::Routes {
+                status: Box::new(move || {
+                    let v = view.lock().unwrap_or_else(|e| e.into_inner());
+                    single_tenant_status(&name, &v)
+                }),
+                history: None,
+            },
+        )?;
         eprintln!("memtide: metrics at http://{bound}/metrics");
     }
     let stats_dir = StatsDir::new().context("cannot create a directory for the statistics")?;

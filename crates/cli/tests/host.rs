@@ -465,6 +465,10 @@ fn bad_host_input_gets_one_line() {
         "cannot reach the memtide host daemon",
     );
     common::fails_with(
+        &["top", "--socket", "/nonexistent/host.sock"],
+        "needs a terminal",
+    );
+    common::fails_with(
         &["run", "--host=/nonexistent/host.sock", "--", "true"],
         "cannot reach the memtide host daemon",
     );
@@ -560,4 +564,182 @@ fn a_single_run_serves_its_own_metrics() {
         "{text}"
     );
     finished_clean(child, "metrics run");
+}
+
+/// Runs `memtide top` in a tmux session and returns what the screen shows once `want` is on it.
+fn tmux_screen(session: &str, want: &str) -> String {
+    let t0 = Instant::now();
+    loop {
+        let o = Command::new("tmux")
+            .args(["capture-pane", "-p", "-t", session])
+            .output()
+            .unwrap();
+        let screen = String::from_utf8_lossy(&o.stdout).into_owned();
+        if screen.contains(want) {
+            return screen;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "{want:?} never showed in memtide top:\n{screen}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn top_and_dashboard_show_every_tenant_and_a_red_one_red() {
+    require("tmux");
+    require("chromium");
+    let dir = Scratch::new("host-views");
+    let d = start_daemon(dir.path(), "512MiB", &[]);
+    let sock = d.socket.display().to_string();
+    let calm = workload_tenant(
+        &d.socket,
+        "calm",
+        "128MiB",
+        &[
+            "--footprint",
+            "256MiB",
+            "--hot",
+            "5%",
+            "--hot-share",
+            "100%",
+            "--rate",
+            "20000",
+            "--seconds",
+            "25",
+        ],
+    );
+    // Its hot set (22% of 256 MiB) is 88% of the quota it is held to: red.
+    let hot = memtide()
+        .args([
+            "run",
+            &format!("--host={sock}"),
+            "--name",
+            "hot",
+            "--dram",
+            "64MiB",
+        ])
+        .args(["--max", "64MiB", "-q", "--"])
+        .arg(env!("CARGO_BIN_EXE_memtide"))
+        .args([
+            "workload",
+            "--footprint",
+            "256MiB",
+            "--hot",
+            "22%",
+            "--hot-share",
+            "100%",
+        ])
+        .args(["--seconds", "25"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    loop {
+        let s = status(&d.socket);
+        let red = tenant(&s, "hot").is_some_and(|t| t["health"] == "red");
+        if red && tenant(&s, "calm").is_some() {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the tenant held below its hot set never turned red: {s}"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+
+    // The terminal view: both tenants, sortable, and q quits.
+    let session = format!("memtide-top-{}", std::process::id());
+    let ok = Command::new("tmux")
+        .args(["new-session", "-d", "-s", &session, "-x", "160", "-y", "30"])
+        .arg(format!(
+            "{} top --socket {sock} --interval 300ms",
+            env!("CARGO_BIN_EXE_memtide")
+        ))
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    let screen = tmux_screen(&session, "calm");
+    assert!(screen.contains("hot"), "{screen}");
+    assert!(screen.contains("sorted by quota"), "{screen}");
+    Command::new("tmux")
+        .args(["send-keys", "-t", &session, "s"])
+        .status()
+        .unwrap();
+    tmux_screen(&session, "sorted by DRAM");
+    Command::new("tmux")
+        .args(["send-keys", "-t", &session, "q"])
+        .status()
+        .unwrap();
+    let t1 = Instant::now();
+    while Command::new("tmux")
+        .args(["has-session", "-t", &session])
+        .stderr(Stdio::null())
+        .status()
+        .unwrap()
+        .success()
+    {
+        assert!(
+            t1.elapsed() < Duration::from_secs(5),
+            "q did not quit memtide top"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    // The dashboard in a real browser: charts with data for each tenant, the red one red.
+    let url = format!("http://127.0.0.1:{}/", d.metrics);
+    let browser = |args: &[&str]| {
+        Command::new("chromium")
+            .args([
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--hide-scrollbars",
+            ])
+            .args(["--virtual-time-budget=5000", "--window-size=1280,1000"])
+            .args(args)
+            .arg(&url)
+            .output()
+            .unwrap()
+    };
+    let dom = String::from_utf8_lossy(&browser(&["--dump-dom"]).stdout).into_owned();
+    assert!(
+        dom.contains("data-ready=\"1\""),
+        "the page never rendered: {dom}"
+    );
+    for (name, colour) in [("hot", Some("red")), ("calm", None)] {
+        let at = dom
+            .find(&format!("data-tenant=\"{name}\""))
+            .unwrap_or_else(|| panic!("no card for {name}: {dom}"));
+        let card = &dom[at..];
+        let card = &card[..card[1..].find("data-tenant=").map_or(card.len(), |e| e + 1)];
+        if let Some(c) = colour {
+            assert!(
+                card.contains(&format!("data-health=\"{c}\"")),
+                "{name}: {card}"
+            );
+        }
+        let points: Vec<usize> = card
+            .match_indices("data-points=\"")
+            .filter_map(|(i, m)| {
+                let rest = &card[i + m.len()..];
+                rest[..rest.find('"')?].parse().ok()
+            })
+            .collect();
+        assert!(
+            points.len() >= 5 && points.iter().all(|&n| n >= 2),
+            "{name}'s charts have too little data: {points:?}"
+        );
+    }
+    let shot = dir.path().join("dashboard.png");
+    let o = browser(&[&format!("--screenshot={}", shot.display())]);
+    let png = std::fs::read(&shot).unwrap_or_else(|_| panic!("{}", common::stderr(&o)));
+    assert!(png.starts_with(b"\x89PNG") && png.len() > 10_000);
+    if let Some(keep) = std::env::var_os("MEMTIDE_KEEP_SCREENSHOT") {
+        std::fs::copy(&shot, keep).unwrap();
+    }
+    finished_clean(calm, "calm tenant");
+    finished_clean(hot, "hot tenant");
 }

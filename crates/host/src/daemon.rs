@@ -23,6 +23,7 @@ use memtide_engine::size::format as bytes;
 use memtide_policy::share::{self, Demand, ShareRules};
 use memtide_policy::{Health, HealthThresholds, PAGE_SIZE};
 
+use crate::history::History;
 use crate::protocol::{
     self, Change, HostStatus, Registration, Request, Response, TenantReport, TenantStatus,
 };
@@ -105,6 +106,7 @@ pub struct Host {
     started: Instant,
     health: (Health, Health),
     thresholds: HealthThresholds,
+    history: History,
 }
 
 fn log(msg: impl AsRef<str>) {
@@ -120,6 +122,7 @@ impl Host {
             started: Instant::now(),
             health: (Health::Green, Health::Green),
             thresholds: HealthThresholds::default(),
+            history: History::default(),
         }
     }
 
@@ -312,6 +315,20 @@ impl Host {
         }
     }
 
+    /// Ends an epoch: splits the budget again, logs changes of colour, keeps a sample.
+    pub fn epoch(&mut self) {
+        self.rebalance();
+        self.health_events();
+        let s = self.status(None);
+        self.history
+            .record(self.started.elapsed().as_secs_f64(), &s);
+    }
+
+    /// The last hour's samples as JSON (for the dashboard).
+    pub fn history_json(&self) -> String {
+        serde_json::to_string(&self.history.points().collect::<Vec<_>>()).unwrap_or_default()
+    }
+
     /// The host and the tenants `only` allows (all when `None`).
     pub fn status(&self, only: Option<u64>) -> HostStatus {
         let th = &self.thresholds;
@@ -437,9 +454,7 @@ pub fn serve(listener: UnixListener, host: Shared) -> Result<()> {
             .name("memtide-epoch".into())
             .spawn(move || loop {
                 std::thread::sleep(epoch);
-                let mut h = host.lock();
-                h.rebalance();
-                h.health_events();
+                host.lock().epoch();
             })?;
     }
     for conn in listener.incoming() {

@@ -1,8 +1,9 @@
 //! Prometheus metrics: the host and every tenant, named by the contract in DESIGN.md
 //! (`memtide_<subsystem>_<what>`, units in the name; counters get `_total` from the encoder),
 //! encoded by `prometheus-client` from a [`HostStatus`] taken at scrape time; and the small HTTP
-//! server that serves them (`/metrics`, and the status as JSON at `/api/status`). Entry points:
-//! [`encode`], [`serve_http`].
+//! server that serves them (`/metrics`, the status as JSON at `/api/status`, and from a daemon
+//! the dashboard at `/` over the last hour at `/api/history`). Entry points: [`encode`],
+//! [`serve_http`].
 
 use std::borrow::Cow;
 use std::net::SocketAddr;
@@ -280,12 +281,19 @@ impl Collector for Status {
     }
 }
 
-/// Serves `/metrics` (and `/api/status`) on `addr` from `status`, on a thread of its own.
-/// Returns the address bound (port 0 picks one).
-pub fn serve_http(
-    addr: SocketAddr,
-    status: impl Fn() -> HostStatus + Send + 'static,
-) -> Result<SocketAddr> {
+/// The dashboard page: no assets from anywhere else, so it works without a network.
+pub const DASHBOARD: &str = include_str!("dashboard.html");
+
+/// What the HTTP server serves: the status (for `/metrics` and `/api/status`) and, from a
+/// daemon, the last hour (`/api/history`, drawn by the dashboard at `/`).
+pub struct Routes {
+    pub status: Box<dyn Fn() -> HostStatus + Send>,
+    pub history: Option<Box<dyn Fn() -> String + Send>>,
+}
+
+/// Serves `routes` on `addr`, on a thread of its own. Returns the address bound (port 0 picks
+/// one).
+pub fn serve_http(addr: SocketAddr, routes: Routes) -> Result<SocketAddr> {
     let server = tiny_http::Server::http(addr)
         .map_err(|e| anyhow::anyhow!("{e}"))
         .with_context(|| format!("cannot serve metrics on {addr}"))?;
@@ -298,17 +306,19 @@ pub fn serve_http(
         .spawn(move || {
             for req in server.incoming_requests() {
                 let path = req.url().split('?').next().unwrap_or("").to_string();
-                let (body, ctype, code) = match path.as_str() {
-                    "/metrics" => (
-                        encode(&status()),
+                let (body, ctype, code) = match (path.as_str(), &routes.history) {
+                    ("/metrics", _) => (
+                        encode(&(routes.status)()),
                         "application/openmetrics-text; version=1.0.0; charset=utf-8",
                         200,
                     ),
-                    "/api/status" => (
-                        serde_json::to_string(&status()).unwrap_or_default(),
+                    ("/api/status", _) => (
+                        serde_json::to_string(&(routes.status)()).unwrap_or_default(),
                         "application/json",
                         200,
                     ),
+                    ("/api/history", Some(h)) => (h(), "application/json", 200),
+                    ("/", Some(_)) => (DASHBOARD.to_string(), "text/html; charset=utf-8", 200),
                     _ => ("not found\n".to_string(), "text/plain", 404),
                 };
                 let header = tiny_http::Header::from_bytes(&b"Content-Type"[..], ctype.as_bytes())
