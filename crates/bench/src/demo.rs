@@ -82,6 +82,7 @@ impl Placement<'_> {
                 stats_dir,
                 stats_interval_ms: 500,
                 faults: *faults,
+                encrypt_tier: false,
             }
             .apply(cmd),
             Placement::Cgroup { procs } => {

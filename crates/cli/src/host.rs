@@ -42,6 +42,10 @@ pub struct HostArgs {
     /// How often quotas are split again.
     #[arg(long, value_parser = opts::seconds, default_value = "1s")]
     pub epoch: f64,
+    /// Every tenant encrypts the pages it moves to tier 1 (AES-256-GCM, a key per tenant run
+    /// that lives only in its memory).
+    #[arg(long)]
+    pub encrypt_tier: bool,
     /// Serve the dashboard (/), Prometheus metrics (/metrics) and the status as JSON
     /// (/api/status) on this address; `off` for none.
     #[arg(long, default_value = "127.0.0.1:9464")]
@@ -128,6 +132,7 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
         group: a.group.as_deref().map(group_id).transpose()?,
         epoch: Duration::from_secs_f64(a.epoch),
         rules: ShareRules::default(),
+        encrypt_tier: a.encrypt_tier,
     };
     let listener = daemon::bind(&cfg)?;
     let shared = Shared::new(Host::new(cfg.clone()));

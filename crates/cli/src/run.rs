@@ -73,6 +73,12 @@ pub struct RunArgs {
     /// 127.0.0.1:9465).
     #[arg(long, value_name = "ADDR")]
     pub metrics: Option<std::net::SocketAddr>,
+    /// Encrypt pages before they leave DRAM (AES-256-GCM with a key made for this run that
+    /// lives only in memory): tier 1 holds no plaintext, and a page altered there is refused
+    /// (the program is stopped) rather than served. Under a host daemon started with
+    /// --encrypt-tier this is on for every tenant.
+    #[arg(long)]
+    pub encrypt_tier: bool,
     /// Print no summary at exit.
     #[arg(long, short)]
     pub quiet: bool,
@@ -144,7 +150,10 @@ struct HostLink {
 }
 
 impl HostLink {
-    fn register(socket: &Path, registration: Registration) -> Result<(HostLink, String, u64)> {
+    fn register(
+        socket: &Path,
+        registration: Registration,
+    ) -> Result<(HostLink, String, u64, bool)> {
         let mut client = Client::connect(socket)?;
         match client.call(&Request::Register(registration.clone()))? {
             Response::Registered {
@@ -152,6 +161,7 @@ impl HostLink {
                 quota_bytes,
                 tier_dir,
                 tier_bytes,
+                encrypt_tier,
             } => Ok((
                 HostLink {
                     socket: socket.to_path_buf(),
@@ -163,6 +173,7 @@ impl HostLink {
                 },
                 tier_dir,
                 tier_bytes,
+                encrypt_tier,
             )),
             other => bail!("the host daemon answered {other:?} to a registration"),
         }
@@ -248,8 +259,8 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
                 max_bytes: a.max,
                 pinned: a.pinned,
             };
-            let (link, dir, tier_bytes) = HostLink::register(&socket, reg)?;
-            (Some(link), Some((PathBuf::from(dir), tier_bytes)))
+            let (link, dir, tier_bytes, encrypt) = HostLink::register(&socket, reg)?;
+            (Some(link), Some((PathBuf::from(dir), tier_bytes, encrypt)))
         }
         None => (None, None),
     };
@@ -261,11 +272,12 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     let tier = a
         .tier
         .clone()
-        .or_else(|| host_tier.as_ref().map(|(d, _)| d.clone()))
+        .or_else(|| host_tier.as_ref().map(|(d, _, _)| d.clone()))
         .unwrap_or_else(|| PathBuf::from("/var/tmp"));
     let tier_size = a
         .tier_size
-        .or(host_tier.as_ref().map(|&(_, b)| b).filter(|&b| b > 0));
+        .or(host_tier.as_ref().map(|&(_, b, _)| b).filter(|&b| b > 0));
+    let encrypt_tier = a.encrypt_tier || host_tier.as_ref().is_some_and(|&(_, _, e)| e);
     let pinned = a.pinned;
     let ready = if pinned {
         None
@@ -318,6 +330,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
             stats_dir: &stats_dir.0,
             stats_interval_ms: interval_ms,
             faults: a.faults,
+            encrypt_tier,
         }
         .apply(&mut cmd);
     }

@@ -23,6 +23,7 @@ pub struct TierEnv<'a> {
     pub stats_dir: &'a Path,
     pub stats_interval_ms: u64,
     pub faults: Delivery,
+    pub encrypt_tier: bool,
 }
 
 impl TierEnv<'_> {
@@ -50,6 +51,9 @@ impl TierEnv<'_> {
             );
         if let Some(t) = self.tier_size {
             cmd.env("MEMTIDE_TIER_SIZE", t.to_string());
+        }
+        if self.encrypt_tier {
+            cmd.env("MEMTIDE_ENCRYPT_TIER", "1");
         }
     }
 }

@@ -492,3 +492,27 @@ pub fn effective_uid() -> u32 {
     // SAFETY: geteuid has no preconditions.
     unsafe { libc::geteuid() }
 }
+
+/// Fills `buf` from the kernel's random source (getrandom(2)).
+pub fn random_bytes(buf: &mut [u8]) -> io::Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        // SAFETY: getrandom writes at most the given length into the buffer.
+        let n = unsafe {
+            libc::getrandom(
+                buf[done..].as_mut_ptr() as *mut libc::c_void,
+                buf.len() - done,
+                0,
+            )
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        done += n as usize;
+    }
+    Ok(())
+}

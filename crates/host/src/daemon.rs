@@ -42,6 +42,8 @@ pub struct HostConfig {
     pub group: Option<u32>,
     pub epoch: Duration,
     pub rules: ShareRules,
+    /// Every tenant encrypts its tier pages.
+    pub encrypt_tier: bool,
 }
 
 struct Tenant {
@@ -520,6 +522,7 @@ fn answer(host: &Shared, req: Request, admin: bool, uid: u32, mine: &mut Option<
                         quota_bytes: h.tenants[&id].quota,
                         tier_dir: h.cfg.tier_dir.display().to_string(),
                         tier_bytes: h.cfg.tier_capacity_bytes.saturating_sub(used_by_others),
+                        encrypt_tier: h.cfg.encrypt_tier,
                     }
                 }
                 Err(m) => err(m),

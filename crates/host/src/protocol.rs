@@ -167,6 +167,9 @@ pub enum Response {
         /// Where the tenant's tier file goes, and the most it may hold.
         tier_dir: String,
         tier_bytes: u64,
+        /// The host encrypts every tenant's tier pages.
+        #[serde(default)]
+        encrypt_tier: bool,
     },
     Quota {
         quota_bytes: u64,

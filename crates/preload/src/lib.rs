@@ -90,6 +90,7 @@ struct Settings {
     stats_dir: Option<PathBuf>,
     stats_interval_ms: u64,
     faults: Delivery,
+    encrypt_tier: bool,
 }
 
 const OFF: u8 = 0;
@@ -142,6 +143,7 @@ fn engine_or_start() -> Option<&'static Engine> {
     cfg.tier_bytes = s.tier_size;
     cfg.arena_bytes = s.arena;
     cfg.faults = s.faults;
+    cfg.encrypt_tier = s.encrypt_tier;
     match Engine::start(&cfg) {
         Ok(e) => {
             ENGINE.store(e as *const Engine as *mut Engine, Ordering::Release);
@@ -205,6 +207,7 @@ fn load_settings() {
             .and_then(|v| v.parse().ok())
             .unwrap_or(1000),
         faults,
+        encrypt_tier: std::env::var("MEMTIDE_ENCRYPT_TIER").is_ok_and(|v| v == "1"),
     });
     SETTINGS.store(Box::into_raw(settings), Ordering::Release);
     STATE.store(IDLE, Ordering::Release);

@@ -439,6 +439,11 @@ impl Engine {
                 ("tries", tries as u64),
             ];
             match failure {
+                Some(e) if e.raw_os_error() == Some(libc::EBADMSG) => fatal_with(
+                    "a page read back from tier 1 failed authentication (it was altered on the device); memtide stops the program rather than serve it",
+                    &facts,
+                    &e,
+                ),
                 Some(e) => fatal_with("reading an evicted page from tier 1 failed", &facts, &e),
                 None => fatal_with(
                     "a page read back from tier 1 does not match the checksum taken when it was written",

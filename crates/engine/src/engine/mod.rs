@@ -56,7 +56,7 @@ pub use crate::signal::Fault;
 use crate::signal::FaultHandler;
 use crate::stats::{Counters, Snapshot};
 use crate::sys::{self, Mapping};
-use crate::tier::{self, Backend, Faulty, FileTier, SlotMap, TierFaults, TierOpenError};
+use crate::tier::{self, Backend, Encrypted, Faulty, FileTier, SlotMap, TierFaults, TierOpenError};
 use crate::uffd::{Delivery, MoveReport, OpenError, Uffd};
 
 use fault::{BouncePool, SequentialRun};
@@ -81,6 +81,8 @@ pub struct Config {
     /// How faults reach the engine: handler threads (the default: kernel accesses to managed
     /// memory wait for the page), or SIGBUS in the faulting thread.
     pub faults: Delivery,
+    /// Encrypt pages before they leave DRAM (AES-256-GCM, a key that lives only in memory).
+    pub encrypt_tier: bool,
     /// For tests: device faults to inject in front of the tier file.
     #[doc(hidden)]
     pub tier_faults: Option<Arc<TierFaults>>,
@@ -96,6 +98,7 @@ impl Config {
             arena_bytes: 1 << 40,
             epoch_ms: 200,
             faults: Delivery::Threads,
+            encrypt_tier: false,
             tier_faults: None,
         }
     }
@@ -200,6 +203,13 @@ impl Engine {
         if let Some(faults) = &cfg.tier_faults {
             tier = Box::new(Faulty::new(tier, faults.clone()));
         }
+        let tier_limit = cfg.tier_bytes.unwrap_or(cfg.arena_bytes) / PAGE_SIZE as u64;
+        let tier_limit = tier_limit.min(u32::MAX as u64 - 2);
+        if cfg.encrypt_tier {
+            tier = Box::new(
+                Encrypted::new(tier, tier_limit).map_err(io_err("set up tier encryption"))?,
+            );
+        }
         let arena_pages = (cfg.arena_bytes as usize / PAGE_SIZE).max(ZERO_CHUNK);
         let arena = Mapping::anon(arena_pages * PAGE_SIZE).map_err(io_err("reserve the arena"))?;
         let quota_pages = cfg.dram_bytes / PAGE_SIZE as u64;
@@ -220,12 +230,11 @@ impl Engine {
         let locked = [&arena, ring.area()]
             .iter()
             .all(|m| sys::lock_on_fault(m.addr(), m.len()).is_ok());
-        let tier_limit = cfg.tier_bytes.unwrap_or(cfg.arena_bytes) / PAGE_SIZE as u64;
         let engine = Box::leak(Box::new(Engine {
             ring,
             pt: PageTable::new(arena_pages).map_err(io_err("map the page table"))?,
             tier,
-            slots: Mutex::new(SlotMap::new(tier_limit.min(u32::MAX as u64 - 2))),
+            slots: Mutex::new(SlotMap::new(tier_limit)),
             ranges: Mutex::new(RangeAlloc::new(arena_pages)),
             high_water: AtomicUsize::new(0),
             zero: Mapping::anon(ZERO_CHUNK * PAGE_SIZE).map_err(io_err("map zeros"))?,

@@ -1,12 +1,15 @@
 //! Tier-1 backends: where evicted pages live. One trait, one file per backend (the file with
-//! O_DIRECT through plain system calls, and the same file through io_uring). Slots are page-sized and numbered from 0; the engine's
+//! O_DIRECT through plain system calls, and the same file through io_uring), and layers in
+//! front of one (encryption; injected faults for tests). Slots are page-sized and numbered from 0; the engine's
 //! [`SlotMap`] decides which slots are free. Entry points: [`Backend`], [`FileTier`].
 
+mod encrypted;
 mod faulty;
 mod file;
 mod slots;
 mod uring;
 
+pub use encrypted::Encrypted;
 pub use faulty::{Faulty, TierFaults};
 pub use file::{FileTier, TierOpenError};
 pub use slots::SlotMap;
