@@ -192,8 +192,16 @@ pub fn status(a: StatusArgs) -> Result<ExitCode> {
 
 /// The status as text: a host line and a row per tenant.
 pub fn render(s: &HostStatus) -> String {
+    let latency = if s.tier_read_latency_p99_us > 0.0 {
+        format!(
+            "tier read p50 {:.0} µs, p99 {:.0} µs ({})",
+            s.tier_read_latency_p50_us, s.tier_read_latency_p99_us, s.latency_health
+        )
+    } else {
+        "no tier reads in the last interval".to_string()
+    };
     let mut out = format!(
-        "host     DRAM {} of {} budget (quotas {}), tier {} of {} in {}\n         active {} ({:.0}% of the budget, {}), tier read p50 {:.0} µs, p99 {:.0} µs ({}), up {:.0} s\n",
+        "host     DRAM {} of {} budget (quotas {}), tier {} of {} in {}\n         active {} ({:.0}% of the budget, {}), {latency}, up {:.0} s\n",
         bytes(s.dram_bytes),
         bytes(s.budget_bytes),
         bytes(s.quota_bytes),
@@ -203,9 +211,6 @@ pub fn render(s: &HostStatus) -> String {
         bytes(s.active_bytes),
         s.active_bytes as f64 * 100.0 / s.budget_bytes.max(1) as f64,
         s.active_health,
-        s.tier_read_latency_p50_us,
-        s.tier_read_latency_p99_us,
-        s.latency_health,
         s.uptime_seconds
     );
     out.push_str(&format!(
