@@ -83,6 +83,7 @@ impl Placement<'_> {
                 stats_interval_ms: 500,
                 faults: *faults,
                 encrypt_tier: false,
+                record: false,
             }
             .apply(cmd),
             Placement::Cgroup { procs } => {

@@ -79,6 +79,11 @@ pub struct RunArgs {
     /// --encrypt-tier this is on for every tenant.
     #[arg(long)]
     pub encrypt_tier: bool,
+    /// Record what the engine sees — every page brought into DRAM (first touches, tier faults,
+    /// hint faults) with its time — and write it as a trace (.mtt) when the program exits, for
+    /// `memtide sim --trace FILE` to answer "what if this program had X DRAM".
+    #[arg(long, value_name = "FILE")]
+    pub record: Option<PathBuf>,
     /// Print no summary at exit.
     #[arg(long, short)]
     pub quiet: bool,
@@ -296,6 +301,13 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         std::fs::write(p, b"{}\n")
             .with_context(|| format!("cannot write --stats file {}", p.display()))?;
     }
+    if let Some(p) = &a.record {
+        if pinned {
+            bail!("--record needs a tiered program (a --pinned one runs without memtide)");
+        }
+        std::fs::File::create(p)
+            .with_context(|| format!("cannot write --record file {}", p.display()))?;
+    }
     let view = Arc::new(Mutex::new(View {
         quota: dram,
         tenant: link.as_ref().map_or(0, |l| l.tenant),
@@ -331,6 +343,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
             stats_interval_ms: interval_ms,
             faults: a.faults,
             encrypt_tier,
+            record: a.record.is_some(),
         }
         .apply(&mut cmd);
     }
@@ -392,10 +405,96 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     if let Some(p) = &a.stats {
         write_stats_file(p, program, Some(status), &c);
     }
+    if let Some(p) = &a.record {
+        let (events, dropped) = write_trace(&stats_dir.0, p)
+            .with_context(|| format!("cannot write the recording to {}", p.display()))?;
+        eprintln!(
+            "memtide: recorded {events} pages brought into DRAM to {}{}; replay: memtide sim --trace {} --dram SIZES --policy memtide-v1",
+            p.display(),
+            if dropped > 0 {
+                format!(" ({dropped} more lost: the recording fell behind)")
+            } else {
+                String::new()
+            },
+            p.display()
+        );
+    }
     if !a.quiet && !pinned {
         summary::print(program, &describe(status), &c);
     }
     Ok(ExitCode::from(exit_code(status)))
+}
+
+/// Turns the raw recordings in `dir` (one per process) into one `.mtt` trace at `to`, each
+/// process a tenant, in time order. Returns the events written and those the engines dropped.
+fn write_trace(dir: &Path, to: &Path) -> Result<(u64, u64)> {
+    use memtide_sim::trace::{Record, Writer};
+    let mut files: Vec<(u32, PathBuf)> = std::fs::read_dir(dir)?
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let pid = name
+                .strip_prefix(launch::RECORD_PREFIX)?
+                .strip_suffix(".raw")?
+                .parse()
+                .ok()?;
+            Some((pid, e.path()))
+        })
+        .collect();
+    files.sort();
+    let mut events: Vec<Record> = Vec::new();
+    for (tenant, (_, path)) in files.iter().enumerate() {
+        let raw = std::fs::read(path)?;
+        let decoded: Vec<(u64, u64, u64)> = raw
+            .chunks_exact(16)
+            .map(|rec| {
+                let time = u64::from_le_bytes(rec[..8].try_into().expect("8 bytes"));
+                let word = u64::from_le_bytes(rec[8..].try_into().expect("8 bytes"));
+                (time, word >> 2, word & 3)
+            })
+            .collect();
+        // A page first touched again was freed or discarded in between: to the simulator,
+        // which has no "free", it is a new page (a fresh number past every page the process
+        // used), not a miss on the old one.
+        let mut next = decoded.iter().map(|e| e.1 + 1).max().unwrap_or(0);
+        let mut name: std::collections::HashMap<u64, u64> = std::collections::HashMap::new();
+        for (time, page, kind) in decoded {
+            let first = kind == memtide_engine::Event::FirstTouch as u64;
+            let id = match name.get(&page) {
+                Some(_) if first => {
+                    next += 1;
+                    name.insert(page, next - 1);
+                    next - 1
+                }
+                Some(&id) => id,
+                None => {
+                    name.insert(page, page);
+                    page
+                }
+            };
+            events.push(Record {
+                time_ns: time,
+                tenant: tenant as u32,
+                page: id,
+                write: false,
+            });
+        }
+    }
+    events.sort_by_key(|r| r.time_ns);
+    let dropped: u64 = summary::collect(dir)
+        .latest
+        .values()
+        .map(|s| s.recorded_dropped)
+        .sum();
+    let mut w = Writer::new(
+        std::io::BufWriter::new(std::fs::File::create(to)?),
+        memtide_policy::PAGE_SIZE as u32,
+    )?;
+    for r in &events {
+        w.record(*r)?;
+    }
+    w.finish()?;
+    Ok((events.len() as u64, dropped))
 }
 
 /// The status a single `memtide run --metrics` serves: the program as the only tenant, its

@@ -24,7 +24,13 @@ pub struct TierEnv<'a> {
     pub stats_interval_ms: u64,
     pub faults: Delivery,
     pub encrypt_tier: bool,
+    /// Record the pages each process brings into DRAM to `record-<pid>.raw` in the stats
+    /// directory.
+    pub record: bool,
 }
+
+/// Prefix of the raw recordings in the statistics directory (`record-<pid>.raw`).
+pub const RECORD_PREFIX: &str = "record-";
 
 impl TierEnv<'_> {
     pub fn apply(&self, cmd: &mut Command) {
@@ -54,6 +60,9 @@ impl TierEnv<'_> {
         }
         if self.encrypt_tier {
             cmd.env("MEMTIDE_ENCRYPT_TIER", "1");
+        }
+        if self.record {
+            cmd.env("MEMTIDE_RECORD", "1");
         }
     }
 }

@@ -15,7 +15,9 @@ pub mod threads;
 pub mod tier;
 pub mod uffd;
 
-pub use engine::{process_rss_bytes, Config, Engine, MemError, PageInfo, Pinned, StartError};
+pub use engine::{
+    process_rss_bytes, Config, Engine, Event, MemError, PageInfo, Pinned, StartError,
+};
 pub use signal::Fault;
 pub use stats::Snapshot;
 pub use tier::TierOpenError;

@@ -219,6 +219,11 @@ pub struct Snapshot {
     pub deactivations: u64,
     #[serde(default)]
     pub reactivations: u64,
+    /// `--record`: events written, and events lost because the recording fell behind.
+    #[serde(default)]
+    pub recorded_events: u64,
+    #[serde(default)]
+    pub recorded_dropped: u64,
     pub tier_read_bytes: u64,
     pub tier_write_bytes: u64,
     pub tier_write_ops: u64,

@@ -91,6 +91,7 @@ struct Settings {
     stats_interval_ms: u64,
     faults: Delivery,
     encrypt_tier: bool,
+    record: bool,
 }
 
 const OFF: u8 = 0;
@@ -144,6 +145,15 @@ fn engine_or_start() -> Option<&'static Engine> {
     cfg.arena_bytes = s.arena;
     cfg.faults = s.faults;
     cfg.encrypt_tier = s.encrypt_tier;
+    if s.record {
+        cfg.record = s.stats_dir.as_ref().map(|d| {
+            d.join(format!(
+                "{}{}.raw",
+                launch::RECORD_PREFIX,
+                std::process::id()
+            ))
+        });
+    }
     match Engine::start(&cfg) {
         Ok(e) => {
             ENGINE.store(e as *const Engine as *mut Engine, Ordering::Release);
@@ -208,6 +218,7 @@ fn load_settings() {
             .unwrap_or(1000),
         faults,
         encrypt_tier: std::env::var("MEMTIDE_ENCRYPT_TIER").is_ok_and(|v| v == "1"),
+        record: std::env::var("MEMTIDE_RECORD").is_ok_and(|v| v == "1"),
     });
     SETTINGS.store(Box::into_raw(settings), Ordering::Release);
     STATE.store(IDLE, Ordering::Release);
@@ -253,6 +264,7 @@ extern "C" fn at_exit() {
         }
         // SAFETY: SETTINGS is set whenever the engine runs.
         let s = unsafe { &*SETTINGS.load(Ordering::Acquire) };
+        e.flush_record();
         if let Some(dir) = &s.stats_dir {
             write_stats(e, dir);
         }

@@ -15,7 +15,7 @@ use memtide_policy::ahead::{readahead_window, zero_fill, READAHEAD, ZERO_CHUNK};
 use memtide_policy::{Activeness, PAGE_SIZE};
 
 use super::fatal::{fatal, fatal_with, presence_code};
-use super::{Engine, Fault};
+use super::{Engine, Event, Fault};
 use crate::pages::{State, Word, NONE};
 use crate::stats::Counters;
 use crate::sys::{self, Mapping};
@@ -237,6 +237,7 @@ impl Engine {
         // SAFETY: the zero buffer is readable (ZERO_CHUNK pages); pages lo..hi are ours (Busy).
         unsafe { self.fill(lo, self.zero.addr(), n, true, "UFFDIO_COPY of zeros failed") };
         for i in lo..hi {
+            self.note(i, Event::FirstTouch);
             self.pt.publish(i, State::Mapped, Some(Activeness::TOUCHED));
         }
         Counters::add(&self.counters.faults_zero, n as u64);
@@ -305,6 +306,7 @@ impl Engine {
         self.unstage(p, s, old, "moving an inactive page back failed");
         self.pt.set_stage(p, NONE);
         self.ring.staged.fetch_sub(1, Ordering::AcqRel);
+        self.note(p, Event::HintFault);
         self.pt
             .publish(p, State::Mapped, Some(old.history().touch()));
         Counters::bump(&self.counters.faults_inactive);
@@ -520,6 +522,7 @@ impl Engine {
             self.pt.publish(p + i, State::Mapped, Some(h));
         }
         self.sequential.ended_at(p + n - 1);
+        self.note(p, Event::TierFault);
         Counters::bump(&self.counters.faults_tier);
         Counters::add(&self.counters.promotions, n as u64);
         Counters::add(&self.counters.readahead_pages, n as u64 - 1);

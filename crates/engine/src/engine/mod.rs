@@ -38,6 +38,7 @@ mod fatal;
 mod fault;
 mod handlers;
 mod quota;
+mod record;
 mod region;
 mod ring;
 
@@ -61,6 +62,8 @@ use crate::uffd::{Delivery, MoveReport, OpenError, Uffd};
 
 use fault::{BouncePool, SequentialRun};
 use quota::{Doorbell, Quota};
+pub use record::Event;
+use record::Recorder;
 use ring::StagingRing;
 
 pub use region::Pinned;
@@ -81,6 +84,9 @@ pub struct Config {
     /// How faults reach the engine: handler threads (the default: kernel accesses to managed
     /// memory wait for the page), or SIGBUS in the faulting thread.
     pub faults: Delivery,
+    /// Record every page brought into DRAM (first touches, tier faults, hint faults) to this
+    /// raw file (see `record.rs`; `memtide run --record` turns it into a trace).
+    pub record: Option<PathBuf>,
     /// Encrypt pages before they leave DRAM (AES-256-GCM, a key that lives only in memory).
     pub encrypt_tier: bool,
     /// For tests: device faults to inject in front of the tier file.
@@ -99,6 +105,7 @@ impl Config {
             epoch_ms: 200,
             faults: Delivery::Threads,
             encrypt_tier: false,
+            record: None,
             tier_faults: None,
         }
     }
@@ -186,6 +193,8 @@ pub struct Engine {
     underreport_errno: AtomicI32,
     pub counters: Counters,
     inject: Inject,
+    /// `--record`: the pages brought into DRAM, as they come.
+    recorder: Option<Recorder>,
     warnings: Mutex<Vec<String>>,
     start_ns: u64,
     pid: u32,
@@ -230,6 +239,13 @@ impl Engine {
         let locked = [&arena, ring.area()]
             .iter()
             .all(|m| sys::lock_on_fault(m.addr(), m.len()).is_ok());
+        let start_ns = sys::now_ns();
+        let recorder = cfg
+            .record
+            .as_deref()
+            .map(|p| Recorder::create(p, start_ns))
+            .transpose()
+            .map_err(io_err("create the --record file"))?;
         let engine = Box::leak(Box::new(Engine {
             ring,
             pt: PageTable::new(arena_pages).map_err(io_err("map the page table"))?,
@@ -253,8 +269,9 @@ impl Engine {
             underreport_errno: AtomicI32::new(0),
             counters: Counters::default(),
             inject: Inject::default(),
+            recorder,
             warnings: Mutex::new(Vec::new()),
-            start_ns: sys::now_ns(),
+            start_ns,
             pid: std::process::id(),
             arena,
             uffd,
@@ -285,6 +302,13 @@ impl Engine {
         }
         crate::threads::spawn("memtide-evict", move || e.evictor_main())
             .map_err(io_err("start the evictor thread"))?;
+        if e.recorder.is_some() {
+            crate::threads::spawn("memtide-record", move || loop {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+                e.flush_record();
+            })
+            .map_err(io_err("start the recording thread"))?;
+        }
         Ok(e)
     }
 
@@ -325,6 +349,26 @@ impl Engine {
     #[doc(hidden)]
     pub fn uffd(&self) -> &Uffd {
         &self.uffd
+    }
+
+    /// Writes out what `--record` has collected (the recording thread does so every 20 ms;
+    /// call it once more at exit).
+    pub fn flush_record(&self) {
+        if let Some(r) = &self.recorder {
+            if let Err(e) = r.drain() {
+                self.warn(format!(
+                    "writing the recording to {} failed ({e}); it is incomplete",
+                    r.path().display()
+                ));
+            }
+        }
+    }
+
+    /// Notes that page `p` came into DRAM, for `--record` (async-signal-safe).
+    fn note(&self, p: usize, why: Event) {
+        if let Some(r) = &self.recorder {
+            r.push(p, why);
+        }
     }
 
     /// The DRAM quota in bytes.
@@ -417,6 +461,8 @@ impl Engine {
             demotions_zero: r(&c.demotions_zero),
             deactivations: r(&c.deactivations),
             reactivations: r(&c.reactivations),
+            recorded_events: self.recorder.as_ref().map_or(0, |r| r.written()),
+            recorded_dropped: self.recorder.as_ref().map_or(0, |r| r.dropped()),
             tier_read_bytes: r(&c.tier_read_bytes),
             tier_write_bytes: r(&c.tier_write_bytes),
             tier_write_ops: r(&c.tier_write_ops),

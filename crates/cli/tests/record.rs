@@ -1,0 +1,154 @@
+//! `memtide run --record`: the trace holds every page the engine brought into DRAM, and
+//! replayed in the simulator at the same DRAM under the engine's policy (memtide-v1) it misses
+//! within 10% of the tier faults the engine counted.
+
+mod common;
+
+use common::{main_stats, memtide, Scratch};
+
+#[test]
+fn a_recorded_run_replays_to_the_engines_tier_faults() {
+    let dir = Scratch::new("record");
+    let trace = dir.path().join("run.mtt");
+    let stats = dir.path().join("run.json");
+    let o = memtide()
+        .args(["run", "--dram", "128MiB", "--tier"])
+        .arg(dir.path())
+        .arg("--record")
+        .arg(&trace)
+        .arg("--stats")
+        .arg(&stats)
+        .args(["-q", "--"])
+        .arg(env!("CARGO_BIN_EXE_memtide"))
+        .args([
+            "workload",
+            "--footprint",
+            "512MiB",
+            "--hot",
+            "20%",
+            "--hot-share",
+            "90%",
+        ])
+        .args(["--seconds", "6"])
+        .output()
+        .unwrap();
+    let err = common::stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("recorded"), "{err}");
+    let st = main_stats(&stats);
+    let n = |k: &str| st[k].as_u64().unwrap();
+    assert_eq!(n("recorded_dropped"), 0, "the recording fell behind");
+    // Every page brought in: zero fills, tier faults, hint faults.
+    assert_eq!(
+        n("recorded_events"),
+        n("faults_zero") + n("faults_tier") + n("faults_inactive")
+    );
+    let engine_tier = n("faults_tier");
+    assert!(
+        engine_tier > 10_000,
+        "too few tier faults to compare: {engine_tier}"
+    );
+
+    let json = dir.path().join("sim.json");
+    let o = memtide()
+        .args(["sim", "--trace"])
+        .arg(&trace)
+        .args(["--dram", "128MiB", "--policy", "memtide-v1", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let out = &v["results"][0]["outcome"];
+    assert_eq!(
+        out["accesses"].as_u64().unwrap(),
+        n("recorded_events"),
+        "the trace holds what was recorded"
+    );
+    let sim_tier = out["misses"].as_u64().unwrap();
+    let off = (sim_tier as f64 - engine_tier as f64).abs() / engine_tier as f64;
+    eprintln!(
+        "engine {engine_tier} tier faults, replay {sim_tier} misses ({:.1}% off)",
+        off * 100.0
+    );
+    assert!(
+        off <= 0.10,
+        "replay {sim_tier} misses vs the engine's {engine_tier} tier faults"
+    );
+}
+
+#[test]
+fn record_needs_a_writable_file() {
+    common::fails_with(
+        &[
+            "run",
+            "--dram",
+            "64MiB",
+            "--record",
+            "/nonexistent/dir/run.mtt",
+            "--",
+            "true",
+        ],
+        "cannot write --record file",
+    );
+}
+
+/// A python program that frees and reallocates: a page first touched again after a free is a
+/// new page to the replay, not a miss.
+const PYTHON: &str = r#"
+import random
+r = random.Random(1)
+for rnd in range(2):
+    b = bytearray(96 << 20)
+    for i in range(0, len(b), 4096):
+        b[i] = 1
+    hot = [r.randrange(0, len(b) // 4096) for _ in range(5000)]
+    for _ in range(20):
+        for p in hot:
+            b[p * 4096 + 1] = (b[p * 4096 + 1] + 1) & 255
+    for _ in range(8000):
+        b[r.randrange(0, len(b))] ^= 1
+    del b
+print("done")
+"#;
+
+#[test]
+fn python_replays_too() {
+    common::require("python3");
+    let dir = Scratch::new("record-python");
+    let trace = dir.path().join("py.mtt");
+    let stats = dir.path().join("py.json");
+    let o = memtide()
+        .args(["run", "--dram", "32MiB", "--tier"])
+        .arg(dir.path())
+        .arg("--record")
+        .arg(&trace)
+        .arg("--stats")
+        .arg(&stats)
+        .args(["-q", "--", "python3", "-c", PYTHON])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    let st = main_stats(&stats);
+    let engine_tier = st["faults_tier"].as_u64().unwrap();
+    assert!(engine_tier > 5_000, "too few tier faults: {engine_tier}");
+    let json = dir.path().join("sim.json");
+    let o = memtide()
+        .args(["sim", "--trace"])
+        .arg(&trace)
+        .args(["--dram", "32MiB", "--policy", "memtide-v1", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let sim_tier = v["results"][0]["outcome"]["misses"].as_u64().unwrap();
+    let off = (sim_tier as f64 - engine_tier as f64).abs() / engine_tier as f64;
+    eprintln!(
+        "python: engine {engine_tier} tier faults, replay {sim_tier} ({:.1}% off)",
+        off * 100.0
+    );
+    assert!(off <= 0.10, "replay {sim_tier} vs engine {engine_tier}");
+}
