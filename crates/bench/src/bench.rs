@@ -30,7 +30,7 @@ pub struct BenchArgs {
     /// dataset of --footprint bytes of values, zipf-distributed keys, 90% gets and 10% sets,
     /// over loopback from memtide's own load generator), `density` (how many tenants fit in
     /// --host-dram while each keeps 90% / 95% of its all-DRAM throughput), `noisy` (a tenant
-    /// beside one streaming over a large cold footprint, each with its own budget) and `vms` (how many QEMU guests of 1 GiB, each serving a paced load, fit in --vm-dram while
+    /// beside one streaming over a large cold footprint, each with its own budget), `vms` (how many QEMU guests of 1 GiB, each serving a paced load, fit in --vm-dram while
     /// each keeps 90% / 95% of its all-DRAM throughput) and `quotas` (four tenants with
     /// different active sets share --host-dram: an equal static split against the host
     /// daemon's activeness quotas).
@@ -69,10 +69,11 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',', default_value = "1,2")]
     pub threads: Vec<usize>,
     /// Density: the DRAM the tenants share (split evenly among them under memtide and Linux
-    /// swap; all-DRAM fits as many tenants as this holds).
+    /// swap; all-DRAM fits as many tenants as this holds). Quotas: the host daemon's budget
+    /// (and four times each tenant's static share).
     #[arg(long, value_parser = opts::nonzero_size, default_value = "512MiB")]
     pub host_dram: u64,
-    /// Density: memory each tenant touches; noisy: the sensitive tenant's.
+    /// Density and quotas: memory each tenant touches; noisy: the sensitive tenant's.
     #[arg(long, value_parser = opts::nonzero_size, default_value = "256MiB")]
     pub tenant_footprint: u64,
     /// Density: the numbers of tenants to try.
