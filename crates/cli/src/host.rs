@@ -14,7 +14,7 @@ use memtide_engine::size::format as bytes;
 use memtide_host::client::{default_socket, Client};
 use memtide_host::daemon::{self, Host, HostConfig, Shared};
 use memtide_host::metrics;
-use memtide_host::protocol::{HostStatus, Request, Response};
+use memtide_host::protocol::{HostStatus, Request, Response, TenantStatus};
 use memtide_policy::share::ShareRules;
 
 #[derive(Args, Debug)]
@@ -190,6 +190,53 @@ pub fn status(a: StatusArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The columns of the tenant table, as `memtide status` prints it and `memtide top` shows it.
+pub const COLUMNS: [&str; 13] = [
+    "ID", "TENANT", "PID", "MIN", "QUOTA", "DRAM", "TIER", "ACTIVE", "ACT%", "HEALTH", "FAULTS/s",
+    "TIER/s", "PROMO/s",
+];
+
+/// Width and left alignment of each column in `memtide status`.
+const LAYOUT: [(usize, bool); 13] = [
+    (4, false),
+    (24, true),
+    (8, false),
+    (11, false),
+    (11, false),
+    (11, false),
+    (11, false),
+    (11, false),
+    (6, false),
+    (7, true),
+    (9, false),
+    (9, false),
+    (9, false),
+];
+
+/// One tenant's cells, in [`COLUMNS`] order; its name cut to `name_chars` characters (before
+/// " (pinned)", for a pinned tenant).
+pub fn tenant_row(t: &TenantStatus, name_chars: usize) -> [String; 13] {
+    let mut name: String = t.name.chars().take(name_chars).collect();
+    if t.pinned {
+        name.push_str(" (pinned)");
+    }
+    [
+        t.tenant.to_string(),
+        name,
+        t.pid.to_string(),
+        bytes(t.min_bytes),
+        bytes(t.quota_bytes),
+        bytes(t.report.dram_bytes),
+        bytes(t.report.tier_bytes),
+        bytes(t.report.active_bytes),
+        format!("{:.0}%", t.active_pct),
+        t.health.clone(),
+        format!("{:.0}", t.faults_per_second),
+        format!("{:.0}", t.tier_faults_per_second),
+        format!("{:.0}", t.promotions_per_second),
+    ]
+}
+
 /// The status as text: a host line and a row per tenant.
 pub fn render(s: &HostStatus) -> String {
     let latency = if s.tier_read_latency_p99_us > 0.0 {
@@ -213,47 +260,24 @@ pub fn render(s: &HostStatus) -> String {
         s.active_health,
         s.uptime_seconds
     );
-    out.push_str(&format!(
-        "{:>4} {:<24} {:>8} {:>11} {:>11} {:>11} {:>11} {:>11} {:>6} {:<7} {:>9} {:>9} {:>9}\n",
-        "ID",
-        "TENANT",
-        "PID",
-        "MIN",
-        "QUOTA",
-        "DRAM",
-        "TIER",
-        "ACTIVE",
-        "ACT%",
-        "HEALTH",
-        "FAULTS/s",
-        "TIER/s",
-        "PROMO/s"
-    ));
-    for t in &s.tenants {
-        let mut name: String = t
-            .name
-            .chars()
-            .take(if t.pinned { 15 } else { 24 })
-            .collect();
-        if t.pinned {
-            name.push_str(" (pinned)");
+    let line = |cells: &[String]| -> String {
+        let mut l = String::new();
+        for (i, (c, &(w, left))) in cells.iter().zip(&LAYOUT).enumerate() {
+            if i > 0 {
+                l.push(' ');
+            }
+            if left {
+                l.push_str(&format!("{c:<w$}"));
+            } else {
+                l.push_str(&format!("{c:>w$}"));
+            }
         }
-        out.push_str(&format!(
-            "{:>4} {:<24} {:>8} {:>11} {:>11} {:>11} {:>11} {:>11} {:>5.0}% {:<7} {:>9.0} {:>9.0} {:>9.0}\n",
-            t.tenant,
-            name,
-            t.pid,
-            bytes(t.min_bytes),
-            bytes(t.quota_bytes),
-            bytes(t.report.dram_bytes),
-            bytes(t.report.tier_bytes),
-            bytes(t.report.active_bytes),
-            t.active_pct,
-            t.health,
-            t.faults_per_second,
-            t.tier_faults_per_second,
-            t.promotions_per_second
-        ));
+        l.push('\n');
+        l
+    };
+    out.push_str(&line(&COLUMNS.map(String::from)));
+    for t in &s.tenants {
+        out.push_str(&line(&tenant_row(t, if t.pinned { 15 } else { 24 })));
     }
     if s.tenants.is_empty() {
         out.push_str("     (no tenants: start programs with `memtide run --host -- PROGRAM`)\n");

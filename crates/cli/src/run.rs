@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, ExitStatus};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -151,58 +151,72 @@ struct HostLink {
     client: Option<Client>,
     quota: u64,
     tenant: u64,
-    lost_at: Option<Instant>,
+    /// Set once the loss of the daemon has been reported (until it is back).
+    lost: bool,
 }
 
-impl HostLink {
-    fn register(
-        socket: &Path,
-        registration: Registration,
-    ) -> Result<(HostLink, String, u64, bool)> {
-        let mut client = Client::connect(socket)?;
-        match client.call(&Request::Register(registration.clone()))? {
-            Response::Registered {
+/// What the daemon grants a tenant that registers.
+struct Grant {
+    tenant: u64,
+    quota_bytes: u64,
+    tier_dir: String,
+    tier_bytes: u64,
+    encrypt_tier: bool,
+}
+
+/// Connects to the daemon at `socket` and registers `registration`.
+fn register_at(socket: &Path, registration: &Registration) -> Result<(Client, Grant)> {
+    let mut client = Client::connect(socket)?;
+    match client.call(&Request::Register(registration.clone()))? {
+        Response::Registered {
+            tenant,
+            quota_bytes,
+            tier_dir,
+            tier_bytes,
+            encrypt_tier,
+        } => Ok((
+            client,
+            Grant {
                 tenant,
                 quota_bytes,
                 tier_dir,
                 tier_bytes,
                 encrypt_tier,
-            } => Ok((
-                HostLink {
-                    socket: socket.to_path_buf(),
-                    registration,
-                    client: Some(client),
-                    quota: quota_bytes,
-                    tenant,
-                    lost_at: None,
-                },
-                tier_dir,
-                tier_bytes,
-                encrypt_tier,
-            )),
-            other => bail!("the host daemon answered {other:?} to a registration"),
-        }
+            },
+        )),
+        other => bail!("the host daemon answered {other:?} to a registration"),
+    }
+}
+
+impl HostLink {
+    fn register(socket: &Path, registration: Registration) -> Result<(HostLink, Grant)> {
+        let (client, grant) = register_at(socket, &registration)?;
+        Ok((
+            HostLink {
+                socket: socket.to_path_buf(),
+                registration,
+                client: Some(client),
+                quota: grant.quota_bytes,
+                tenant: grant.tenant,
+                lost: false,
+            },
+            grant,
+        ))
     }
 
     /// Sends `report`; returns the quota in force (the last one known if the daemon is away).
     fn report(&mut self, report: &TenantReport) -> u64 {
         if self.client.is_none() {
-            if let Ok(mut c) = Client::connect(&self.socket) {
-                if let Ok(Response::Registered {
-                    tenant,
-                    quota_bytes,
-                    ..
-                }) = c.call(&Request::Register(self.registration.clone()))
-                {
-                    eprintln!(
-                        "memtide: the host daemon is back; registered again as tenant {tenant} (quota {})",
-                        bytes(quota_bytes)
-                    );
-                    self.client = Some(c);
-                    self.tenant = tenant;
-                    self.quota = quota_bytes;
-                    self.lost_at = None;
-                }
+            if let Ok((c, grant)) = register_at(&self.socket, &self.registration) {
+                eprintln!(
+                    "memtide: the host daemon is back; registered again as tenant {} (quota {})",
+                    grant.tenant,
+                    bytes(grant.quota_bytes)
+                );
+                self.client = Some(c);
+                self.tenant = grant.tenant;
+                self.quota = grant.quota_bytes;
+                self.lost = false;
             }
         }
         if let Some(c) = &mut self.client {
@@ -210,8 +224,8 @@ impl HostLink {
                 Ok(Response::Quota { quota_bytes }) => self.quota = quota_bytes,
                 Ok(_) | Err(_) => {
                     self.client = None;
-                    if self.lost_at.is_none() {
-                        self.lost_at = Some(Instant::now());
+                    if !self.lost {
+                        self.lost = true;
                         eprintln!(
                             "memtide: lost the host daemon at {}; keeping the quota of {} until it is back",
                             self.socket.display(),
@@ -251,7 +265,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
             .map_or_else(|| program.clone(), |n| n.to_string_lossy().into_owned())
     });
     // Under a host daemon: register first (a refusal ends here, before the program starts).
-    let (mut link, host_tier) = match a
+    let (mut link, grant) = match a
         .host
         .as_ref()
         .map(|s| s.clone().unwrap_or_else(default_socket))
@@ -264,8 +278,8 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
                 max_bytes: a.max,
                 pinned: a.pinned,
             };
-            let (link, dir, tier_bytes, encrypt) = HostLink::register(&socket, reg)?;
-            (Some(link), Some((PathBuf::from(dir), tier_bytes, encrypt)))
+            let (link, grant) = HostLink::register(&socket, reg)?;
+            (Some(link), Some(grant))
         }
         None => (None, None),
     };
@@ -277,12 +291,12 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     let tier = a
         .tier
         .clone()
-        .or_else(|| host_tier.as_ref().map(|(d, _, _)| d.clone()))
+        .or_else(|| grant.as_ref().map(|g| PathBuf::from(&g.tier_dir)))
         .unwrap_or_else(|| PathBuf::from("/var/tmp"));
     let tier_size = a
         .tier_size
-        .or(host_tier.as_ref().map(|&(_, b, _)| b).filter(|&b| b > 0));
-    let encrypt_tier = a.encrypt_tier || host_tier.as_ref().is_some_and(|&(_, _, e)| e);
+        .or(grant.as_ref().map(|g| g.tier_bytes).filter(|&b| b > 0));
+    let encrypt_tier = a.encrypt_tier || grant.as_ref().is_some_and(|g| g.encrypt_tier);
     let pinned = a.pinned;
     let ready = if pinned {
         None

@@ -21,7 +21,7 @@ use memtide_engine::size::format as bytes;
 use memtide_host::client::default_socket;
 use memtide_host::protocol::{HostStatus, TenantStatus};
 
-use crate::host::fetch_status;
+use crate::host::{fetch_status, tenant_row, COLUMNS};
 
 #[derive(Args, Debug)]
 pub struct TopArgs {
@@ -140,34 +140,10 @@ fn draw(f: &mut Frame, v: &View) {
     if v.reverse {
         tenants.reverse();
     }
-    let header = Row::new([
-        "ID", "TENANT", "PID", "MIN", "QUOTA", "DRAM", "TIER", "ACTIVE", "ACT%", "HEALTH",
-        "FAULTS/s", "TIER/s", "PROMO/s",
-    ])
-    .style(Style::default().add_modifier(Modifier::BOLD));
-    let rows = tenants.iter().map(|t| {
-        let name = if t.pinned {
-            format!("{} (pinned)", t.name)
-        } else {
-            t.name.clone()
-        };
-        Row::new(vec![
-            t.tenant.to_string(),
-            name,
-            t.pid.to_string(),
-            bytes(t.min_bytes),
-            bytes(t.quota_bytes),
-            bytes(t.report.dram_bytes),
-            bytes(t.report.tier_bytes),
-            bytes(t.report.active_bytes),
-            format!("{:.0}%", t.active_pct),
-            t.health.clone(),
-            format!("{:.0}", t.faults_per_second),
-            format!("{:.0}", t.tier_faults_per_second),
-            format!("{:.0}", t.promotions_per_second),
-        ])
-        .style(Style::default().fg(colour(&t.health)))
-    });
+    let header = Row::new(COLUMNS).style(Style::default().add_modifier(Modifier::BOLD));
+    let rows = tenants
+        .iter()
+        .map(|t| Row::new(tenant_row(t, usize::MAX)).style(Style::default().fg(colour(&t.health))));
     let widths = [
         Constraint::Length(4),
         Constraint::Min(12),

@@ -6,6 +6,22 @@ mod common;
 
 use common::{main_stats, memtide, Scratch};
 
+/// Replays `trace` at `dram` under the engine's policy (memtide-v1); returns the outcome.
+fn replay(dir: &Scratch, trace: &std::path::Path, dram: &str) -> serde_json::Value {
+    let json = dir.path().join("sim.json");
+    let o = memtide()
+        .args(["sim", "--trace"])
+        .arg(trace)
+        .args(["--dram", dram, "--policy", "memtide-v1", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    v["results"][0]["outcome"].clone()
+}
+
 #[test]
 fn a_recorded_run_replays_to_the_engines_tier_faults() {
     let dir = Scratch::new("record");
@@ -49,18 +65,7 @@ fn a_recorded_run_replays_to_the_engines_tier_faults() {
         "too few tier faults to compare: {engine_tier}"
     );
 
-    let json = dir.path().join("sim.json");
-    let o = memtide()
-        .args(["sim", "--trace"])
-        .arg(&trace)
-        .args(["--dram", "128MiB", "--policy", "memtide-v1", "--json"])
-        .arg(&json)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", common::stderr(&o));
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    let out = &v["results"][0]["outcome"];
+    let out = &replay(&dir, &trace, "128MiB");
     assert_eq!(
         out["accesses"].as_u64().unwrap(),
         n("recorded_events"),
@@ -133,18 +138,7 @@ fn python_replays_too() {
     let st = main_stats(&stats);
     let engine_tier = st["faults_tier"].as_u64().unwrap();
     assert!(engine_tier > 5_000, "too few tier faults: {engine_tier}");
-    let json = dir.path().join("sim.json");
-    let o = memtide()
-        .args(["sim", "--trace"])
-        .arg(&trace)
-        .args(["--dram", "32MiB", "--policy", "memtide-v1", "--json"])
-        .arg(&json)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", common::stderr(&o));
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    let sim_tier = v["results"][0]["outcome"]["misses"].as_u64().unwrap();
+    let sim_tier = replay(&dir, &trace, "32MiB")["misses"].as_u64().unwrap();
     let off = (sim_tier as f64 - engine_tier as f64).abs() / engine_tier as f64;
     eprintln!(
         "python: engine {engine_tier} tier faults, replay {sim_tier} ({:.1}% off)",

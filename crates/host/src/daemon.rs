@@ -136,33 +136,46 @@ impl Host {
             .sum()
     }
 
-    fn register(&mut self, r: Registration, uid: u32) -> Result<u64, String> {
-        if r.name.is_empty() || r.name.len() > 200 {
-            return Err("a tenant's name must be 1 to 200 bytes".into());
-        }
-        if !r.pinned && r.min_bytes < MIN_QUOTA {
+    /// Whether a tenant (`except`: the one being changed, if any) may have these terms: a
+    /// tiered tenant's minimum is one the engine can run with, the maximum is not below it,
+    /// and the minimums of all tenants fit the budget.
+    fn check_terms(
+        &self,
+        except: Option<u64>,
+        pinned: bool,
+        min: u64,
+        max: Option<u64>,
+    ) -> Result<(), String> {
+        if !pinned && min < MIN_QUOTA {
             return Err(format!(
                 "a tiered tenant's minimum must be at least {}",
                 bytes(MIN_QUOTA)
             ));
         }
-        if let Some(m) = r.max_bytes.filter(|&m| m < r.min_bytes) {
+        if let Some(m) = max.filter(|&m| m < min) {
             return Err(format!(
                 "maximum {} is below the minimum {}",
                 bytes(m),
-                bytes(r.min_bytes)
+                bytes(min)
             ));
         }
-        let taken = self.guaranteed(None);
-        if taken + r.min_bytes > self.cfg.budget_bytes {
+        let taken = self.guaranteed(except);
+        if taken + min > self.cfg.budget_bytes {
             return Err(format!(
-                "cannot guarantee {}: {} of the host's {} is already guaranteed to {} tenant(s)",
-                bytes(r.min_bytes),
+                "cannot guarantee {}: {} of the host's {} is already guaranteed to other tenants",
+                bytes(min),
                 bytes(taken),
-                bytes(self.cfg.budget_bytes),
-                self.tenants.len()
+                bytes(self.cfg.budget_bytes)
             ));
         }
+        Ok(())
+    }
+
+    fn register(&mut self, r: Registration, uid: u32) -> Result<u64, String> {
+        if r.name.is_empty() || r.name.len() > 200 {
+            return Err("a tenant's name must be 1 to 200 bytes".into());
+        }
+        self.check_terms(None, r.pinned, r.min_bytes, r.max_bytes)?;
         let id = self.next_id;
         self.next_id += 1;
         let now = Instant::now();
@@ -228,11 +241,9 @@ impl Host {
     }
 
     fn change(&mut self, id: u64, c: &Change) -> Result<(), String> {
-        let taken = self.guaranteed(Some(id));
-        let budget = self.cfg.budget_bytes;
         let t = self
             .tenants
-            .get_mut(&id)
+            .get(&id)
             .ok_or_else(|| format!("no tenant {id}"))?;
         let min = c.min_bytes.unwrap_or(t.min);
         let max = match c.max_bytes {
@@ -240,20 +251,8 @@ impl Host {
             Some(m) => Some(m),
             None => t.max,
         };
-        if !t.pinned && min < MIN_QUOTA {
-            return Err(format!("the minimum must be at least {}", bytes(MIN_QUOTA)));
-        }
-        if max.is_some_and(|m| m < min) {
-            return Err("the maximum is below the minimum".into());
-        }
-        if taken + min > budget {
-            return Err(format!(
-                "cannot guarantee {}: {} of the host's {} is guaranteed to others",
-                bytes(min),
-                bytes(taken),
-                bytes(budget)
-            ));
-        }
+        self.check_terms(Some(id), t.pinned, min, max)?;
+        let t = self.tenants.get_mut(&id).expect("looked up above");
         t.min = min;
         t.max = max;
         log(format!(
@@ -284,8 +283,9 @@ impl Host {
         }
     }
 
-    /// Logs every tenant (and the host) whose colour changed, with the numbers behind it.
-    fn health_events(&mut self) {
+    /// Logs every tenant (and the host, as `s` shows it) whose colour changed, with the
+    /// numbers behind it.
+    fn health_events(&mut self, s: &HostStatus) {
         let th = self.thresholds;
         for (id, t) in self.tenants.iter_mut() {
             let now = t.colour(&th);
@@ -302,7 +302,6 @@ impl Host {
                 t.health = now;
             }
         }
-        let s = self.status(None);
         let now = (colour(&s.active_health), colour(&s.latency_health));
         if now != self.health {
             log(format!(
@@ -320,8 +319,8 @@ impl Host {
     /// Ends an epoch: splits the budget again, logs changes of colour, keeps a sample.
     pub fn epoch(&mut self) {
         self.rebalance();
-        self.health_events();
         let s = self.status(None);
+        self.health_events(&s);
         self.history
             .record(self.started.elapsed().as_secs_f64(), &s);
     }
