@@ -78,6 +78,7 @@ impl Placement<'_> {
                 dram: *dram,
                 tier,
                 tier_size: None,
+                tier_max: None,
                 min_bytes: 128 << 10,
                 stats_dir,
                 stats_interval_ms: 500,

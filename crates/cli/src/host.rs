@@ -26,7 +26,9 @@ pub struct HostArgs {
     /// Where tenants' tier files go (a directory).
     #[arg(long, default_value = "/var/tmp")]
     pub tier: PathBuf,
-    /// Tier-1 capacity of the host (default: --ratio times the DRAM budget).
+    /// Tier-1 capacity of the host (default: --ratio times the DRAM budget), shared among the
+    /// tenants every epoch: each gets room for what it holds beyond its DRAM quota, then an
+    /// equal part of the rest.
     #[arg(long, value_parser = opts::nonzero_size)]
     pub tier_size: Option<u64>,
     /// DRAM:tier ratio that sets the tier capacity when --tier-size is not given.
@@ -191,16 +193,17 @@ pub fn status(a: StatusArgs) -> Result<ExitCode> {
 }
 
 /// The columns of the tenant table, as `memtide status` prints it and `memtide top` shows it.
-pub const COLUMNS: [&str; 13] = [
-    "ID", "TENANT", "PID", "MIN", "QUOTA", "DRAM", "TIER", "ACTIVE", "ACT%", "HEALTH", "FAULTS/s",
-    "TIER/s", "PROMO/s",
+pub const COLUMNS: [&str; 14] = [
+    "ID", "TENANT", "PID", "MIN", "QUOTA", "DRAM", "TIER", "TIER MAX", "ACTIVE", "ACT%", "HEALTH",
+    "FAULTS/s", "TIER/s", "PROMO/s",
 ];
 
 /// Width and left alignment of each column in `memtide status`.
-const LAYOUT: [(usize, bool); 13] = [
+const LAYOUT: [(usize, bool); 14] = [
     (4, false),
     (24, true),
     (8, false),
+    (11, false),
     (11, false),
     (11, false),
     (11, false),
@@ -215,7 +218,7 @@ const LAYOUT: [(usize, bool); 13] = [
 
 /// One tenant's cells, in [`COLUMNS`] order; its name cut to `name_chars` characters (before
 /// " (pinned)", for a pinned tenant).
-pub fn tenant_row(t: &TenantStatus, name_chars: usize) -> [String; 13] {
+pub fn tenant_row(t: &TenantStatus, name_chars: usize) -> [String; 14] {
     let mut name: String = t.name.chars().take(name_chars).collect();
     if t.pinned {
         name.push_str(" (pinned)");
@@ -228,6 +231,11 @@ pub fn tenant_row(t: &TenantStatus, name_chars: usize) -> [String; 13] {
         bytes(t.quota_bytes),
         bytes(t.report.dram_bytes),
         bytes(t.report.tier_bytes),
+        if t.pinned {
+            "-".into()
+        } else {
+            bytes(t.tier_share_bytes)
+        },
         bytes(t.report.active_bytes),
         format!("{:.0}%", t.active_pct),
         t.health.clone(),

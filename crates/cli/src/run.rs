@@ -33,7 +33,8 @@ pub struct RunArgs {
     /// The file is removed when the program exits. [default: /var/tmp, or the host daemon's]
     #[arg(long)]
     pub tier: Option<PathBuf>,
-    /// Most bytes tier 1 may hold (default: as much as the program's managed memory needs).
+    /// Most bytes tier 1 may hold (default: as much as the program's managed memory needs;
+    /// with --host, the tenant's share of the host's tier capacity, which this caps).
     #[arg(long, value_parser = opts::nonzero_size)]
     pub tier_size: Option<u64>,
     /// Allocations at or above this size are managed (malloc family and anonymous mmap).
@@ -150,6 +151,8 @@ struct HostLink {
     registration: Registration,
     client: Option<Client>,
     quota: u64,
+    /// The tenant's share of the host's tier capacity, as last heard.
+    tier: u64,
     tenant: u64,
     /// Set once the loss of the daemon has been reported (until it is back).
     lost: bool,
@@ -161,6 +164,7 @@ struct Grant {
     quota_bytes: u64,
     tier_dir: String,
     tier_bytes: u64,
+    tier_capacity_bytes: u64,
     encrypt_tier: bool,
 }
 
@@ -173,6 +177,7 @@ fn register_at(socket: &Path, registration: &Registration) -> Result<(Client, Gr
             quota_bytes,
             tier_dir,
             tier_bytes,
+            tier_capacity_bytes,
             encrypt_tier,
         } => Ok((
             client,
@@ -181,6 +186,7 @@ fn register_at(socket: &Path, registration: &Registration) -> Result<(Client, Gr
                 quota_bytes,
                 tier_dir,
                 tier_bytes,
+                tier_capacity_bytes,
                 encrypt_tier,
             },
         )),
@@ -197,6 +203,7 @@ impl HostLink {
                 registration,
                 client: Some(client),
                 quota: grant.quota_bytes,
+                tier: grant.tier_bytes,
                 tenant: grant.tenant,
                 lost: false,
             },
@@ -204,8 +211,9 @@ impl HostLink {
         ))
     }
 
-    /// Sends `report`; returns the quota in force (the last one known if the daemon is away).
-    fn report(&mut self, report: &TenantReport) -> u64 {
+    /// Sends `report`; returns the quota and tier share in force (the last ones known if the
+    /// daemon is away).
+    fn report(&mut self, report: &TenantReport) -> (u64, u64) {
         if self.client.is_none() {
             if let Ok((c, grant)) = register_at(&self.socket, &self.registration) {
                 eprintln!(
@@ -216,12 +224,21 @@ impl HostLink {
                 self.client = Some(c);
                 self.tenant = grant.tenant;
                 self.quota = grant.quota_bytes;
+                self.tier = grant.tier_bytes;
                 self.lost = false;
             }
         }
         if let Some(c) = &mut self.client {
             match c.call(&Request::Report(report.clone())) {
-                Ok(Response::Quota { quota_bytes }) => self.quota = quota_bytes,
+                Ok(Response::Quota {
+                    quota_bytes,
+                    tier_bytes,
+                }) => {
+                    self.quota = quota_bytes;
+                    if let Some(t) = tier_bytes {
+                        self.tier = t;
+                    }
+                }
                 Ok(_) | Err(_) => {
                     self.client = None;
                     if !self.lost {
@@ -235,7 +252,7 @@ impl HostLink {
                 }
             }
         }
-        self.quota
+        (self.quota, self.tier)
     }
 }
 
@@ -293,9 +310,20 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         .clone()
         .or_else(|| grant.as_ref().map(|g| PathBuf::from(&g.tier_dir)))
         .unwrap_or_else(|| PathBuf::from("/var/tmp"));
-    let tier_size = a
-        .tier_size
-        .or(grant.as_ref().map(|g| g.tier_bytes).filter(|&b| b > 0));
+    // Under a daemon the tier's size is the tenant's share of the host's capacity and follows
+    // it (never above --tier-size, if given); the engine may grow it up to the capacity.
+    let own_tier = a.tier_size;
+    let tier_of = move |share: u64| own_tier.map_or(share, |o| o.min(share));
+    let sharing_tier = grant.as_ref().is_some_and(|g| g.tier_capacity_bytes > 0);
+    let (tier_size, tier_max) = match &grant {
+        Some(g) if sharing_tier => (
+            Some(tier_of(g.tier_bytes)),
+            Some(tier_of(g.tier_capacity_bytes)),
+        ),
+        // A daemon that does not share its tier: what it granted, fixed.
+        Some(g) => (a.tier_size.or(Some(g.tier_bytes).filter(|&b| b > 0)), None),
+        None => (a.tier_size, None),
+    };
     let encrypt_tier = a.encrypt_tier || grant.as_ref().is_some_and(|g| g.encrypt_tier);
     let pinned = a.pinned;
     let ready = if pinned {
@@ -352,6 +380,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
             dram,
             tier: &tier,
             tier_size,
+            tier_max,
             min_bytes: a.min_bytes,
             stats_dir: &stats_dir.0,
             stats_interval_ms: interval_ms,
@@ -383,6 +412,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         std::thread::spawn(move || {
             let mut c = summary::Collected::default();
             let mut asked = dram;
+            let mut asked_tier = tier_size.unwrap_or(0);
             while !done.load(Ordering::Acquire) {
                 std::thread::sleep(Duration::from_millis(interval_ms));
                 c.update(&dir);
@@ -395,12 +425,20 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
                     TenantReport::of(c.latest.values())
                 };
                 report.pid = child_pid;
-                let quota = match &mut link {
+                let (quota, share) = match &mut link {
                     Some(l) => l.report(&report),
-                    None => asked,
+                    None => (asked, asked_tier),
                 };
                 if quota != asked && !pinned && launch::ask_quota(&dir, quota).is_ok() {
                     asked = quota;
+                }
+                let tier = tier_of(share);
+                if sharing_tier
+                    && tier != asked_tier
+                    && !pinned
+                    && launch::ask_tier_size(&dir, tier).is_ok()
+                {
+                    asked_tier = tier;
                 }
                 let mut v = view.lock().unwrap_or_else(|e| e.into_inner());
                 v.report = report;
@@ -519,6 +557,7 @@ fn single_tenant_status(name: &str, v: &View) -> HostStatus {
         name: name.to_string(),
         pid: v.report.pid,
         quota_bytes: v.quota,
+        tier_share_bytes: v.report.tier_limit_bytes,
         min_bytes: v.quota,
         active_pct: v.report.active_bytes as f64 * 100.0 / v.quota.max(1) as f64,
         report: v.report.clone(),
@@ -529,6 +568,7 @@ fn single_tenant_status(name: &str, v: &View) -> HostStatus {
         quota_bytes: v.quota,
         dram_bytes: v.report.dram_bytes,
         tier_bytes: v.report.tier_bytes,
+        tier_capacity_bytes: v.report.tier_limit_bytes,
         active_bytes: v.report.active_bytes,
         tier_read_latency_p50_us: v.report.tier_read_latency_p50_us,
         tier_read_latency_p99_us: v.report.tier_read_latency_p99_us,

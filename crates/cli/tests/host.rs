@@ -214,6 +214,108 @@ fn busy_tenant_gets_the_dram_and_a_leaving_one_releases_it() {
     drop(d);
 }
 
+/// The tier shares the status gives, their sum, and what the tenants hold in their tiers.
+fn tier_use(s: &serde_json::Value) -> (u64, Vec<(String, u64, u64)>) {
+    let rows: Vec<(String, u64, u64)> = s["tenants"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            (
+                t["name"].as_str().unwrap().to_string(),
+                t["tier_share_bytes"].as_u64().unwrap(),
+                t["report"]["tier_bytes"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    (rows.iter().map(|r| r.1).sum(), rows)
+}
+
+#[test]
+fn tenants_share_the_tier_capacity_and_keep_within_it() {
+    let dir = Scratch::new("host-tier");
+    // Two tenants of 256 MiB each in 256 MiB of DRAM and 320 MiB of tier: alone, the first
+    // may take the whole tier; with two, each needs a part of it.
+    let capacity = 320 * MIB;
+    let d = start_daemon(dir.path(), "256MiB", &["--tier-size", "320MiB"]);
+    let args = |seconds: &'static str| {
+        [
+            "--footprint",
+            "256MiB",
+            "--hot",
+            "30%",
+            "--seconds",
+            seconds,
+            "--rate",
+            "100000",
+        ]
+    };
+    let first = workload_tenant(&d.socket, "first", "64MiB", &args("24"));
+    // The first tenant alone may take the whole tier; wait until it holds a good part of it.
+    let t0 = Instant::now();
+    loop {
+        let s = status(&d.socket);
+        if tenant(&s, "first").is_some_and(|t| t["report"]["tier_bytes"].as_u64() > Some(128 * MIB))
+        {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the first tenant never used its tier: {s}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let second = workload_tenant(&d.socket, "second", "64MiB", &args("12"));
+    let mut samples = 0;
+    let mut second_used = 0;
+    let mut worst = (0u64, String::new());
+    while samples < 80 {
+        std::thread::sleep(Duration::from_millis(200));
+        let s = status(&d.socket);
+        let (shares, rows) = tier_use(&s);
+        if rows.len() < 2 {
+            if samples > 0 {
+                break;
+            }
+            continue;
+        }
+        samples += 1;
+        assert!(
+            shares <= capacity,
+            "tier shares {rows:?} exceed the capacity"
+        );
+        let used: u64 = rows.iter().map(|r| r.2).sum();
+        if used > worst.0 {
+            worst = (used, format!("{rows:?}"));
+        }
+        second_used = second_used.max(rows.iter().find(|r| r.0 == "second").unwrap().2);
+    }
+    eprintln!(
+        "{samples} samples; most tier in use {} MiB ({}), the second tenant's peak {} MiB",
+        worst.0 / MIB,
+        worst.1,
+        second_used / MIB
+    );
+    assert!(samples >= 10, "too few samples with both tenants");
+    // What the tenants hold in their tiers stays within the capacity (the reports are a
+    // fraction of a second apart: a little slack).
+    assert!(
+        worst.0 <= capacity + 8 * MIB,
+        "tiers hold {} MiB of a {} MiB capacity: {}",
+        worst.0 / MIB,
+        capacity / MIB,
+        worst.1
+    );
+    assert!(
+        second_used >= 64 * MIB,
+        "the second tenant got no tier to speak of ({} MiB)",
+        second_used / MIB
+    );
+    finished_clean(second, "second tenant");
+    finished_clean(first, "first tenant");
+    drop(d);
+}
+
 #[test]
 fn tenants_keep_their_quota_while_the_daemon_is_away() {
     let dir = Scratch::new("host-away");

@@ -19,6 +19,8 @@ pub struct TierEnv<'a> {
     pub dram: u64,
     pub tier: &'a Path,
     pub tier_size: Option<u64>,
+    /// The most the tier size may be raised to at run time (through [`TIER_FILE`]).
+    pub tier_max: Option<u64>,
     pub min_bytes: u64,
     pub stats_dir: &'a Path,
     pub stats_interval_ms: u64,
@@ -58,6 +60,9 @@ impl TierEnv<'_> {
         if let Some(t) = self.tier_size {
             cmd.env("MEMTIDE_TIER_SIZE", t.to_string());
         }
+        if let Some(t) = self.tier_max {
+            cmd.env("MEMTIDE_TIER_MAX", t.to_string());
+        }
         if self.encrypt_tier {
             cmd.env("MEMTIDE_ENCRYPT_TIER", "1");
         }
@@ -71,12 +76,24 @@ impl TierEnv<'_> {
 /// DRAM quota at run time: a number of bytes, replaced whole (write, then rename).
 pub const QUOTA_FILE: &str = "quota";
 
+/// The same for the most bytes its tier 1 may hold (up to the `tier_max` it started with).
+pub const TIER_FILE: &str = "tier";
+
 /// Asks the program started with `stats_dir` to use a DRAM quota of `bytes` from now on (its
 /// engine reads the request at its next statistics interval).
 pub fn ask_quota(stats_dir: &Path, bytes: u64) -> io::Result<()> {
-    let tmp = stats_dir.join(".quota.tmp");
+    ask(stats_dir, QUOTA_FILE, bytes)
+}
+
+/// Asks the program started with `stats_dir` to keep at most `bytes` in tier 1 from now on.
+pub fn ask_tier_size(stats_dir: &Path, bytes: u64) -> io::Result<()> {
+    ask(stats_dir, TIER_FILE, bytes)
+}
+
+fn ask(stats_dir: &Path, file: &str, bytes: u64) -> io::Result<()> {
+    let tmp = stats_dir.join(format!(".{file}.tmp"));
     std::fs::write(&tmp, format!("{bytes}\n"))?;
-    std::fs::rename(&tmp, stats_dir.join(QUOTA_FILE))
+    std::fs::rename(&tmp, stats_dir.join(file))
 }
 
 /// A private directory for the statistics files of one launch, removed on drop. A launcher

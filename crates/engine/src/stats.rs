@@ -135,6 +135,8 @@ pub struct Counters {
     pub demotions_clean: AtomicU64,
     /// Demotions of all-zero pages: dropped, no tier space used.
     pub demotions_zero: AtomicU64,
+    /// Tier copies of pages also in DRAM dropped to keep tier 1 within its limit.
+    pub tier_copies_dropped: AtomicU64,
     /// Pages unmapped into the inactive list.
     pub deactivations: AtomicU64,
     /// Inactive pages put back in place without a touch (to make room in the inactive list
@@ -197,6 +199,9 @@ pub struct Snapshot {
     pub inactive_bytes: u64,
     pub tier_bytes: u64,
     pub tier_file_bytes: u64,
+    /// The most tier 1 may hold now (its size; a host daemon may change it).
+    #[serde(default)]
+    pub tier_limit_bytes: u64,
     pub managed_bytes: u64,
     pub peak_managed_bytes: u64,
     pub active_bytes: u64,
@@ -216,6 +221,9 @@ pub struct Snapshot {
     pub demotions: u64,
     pub demotions_clean: u64,
     pub demotions_zero: u64,
+    /// Tier copies of pages also in DRAM dropped to keep tier 1 within its limit.
+    #[serde(default)]
+    pub tier_copies_dropped: u64,
     pub deactivations: u64,
     #[serde(default)]
     pub reactivations: u64,

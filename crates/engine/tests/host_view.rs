@@ -1,5 +1,6 @@
 //! What a host daemon relies on: the DRAM quota changes at run time and the engine converges to
-//! it (shrinking demotes the coldest pages, no byte lost), and the active-memory estimate
+//! it (shrinking demotes the coldest pages, no byte lost), so does the tier's size (a lower one
+//! drops tier copies of pages also in DRAM and cuts the file), and the active-memory estimate
 //! follows a known hot set.
 
 mod common;
@@ -157,6 +158,67 @@ fn quota_shrinks_to_the_coldest_pages_and_grows_back() {
         s.dram_bytes >= (pages * PAGE) as u64,
         "all of it is back in DRAM: {s:?}"
     );
+    e.audit().unwrap();
+}
+
+#[test]
+fn tier_size_changes_at_run_time_and_is_kept() {
+    let dir = common::scratch("tier-change");
+    let mut cfg = common::config(&dir, 32 << 20);
+    cfg.tier_bytes = Some(64 << 20);
+    cfg.tier_max_bytes = Some(128 << 20);
+    let e = common::start(&cfg);
+    assert_eq!(e.tier_limit_bytes(), 64 << 20);
+    let pages = (24 << 20) / PAGE;
+    let base = e.alloc(pages * PAGE, PAGE).unwrap();
+    fill(base, pages);
+    // Push most of it out, then bring it all back: the pages keep their tier copies.
+    e.set_quota_bytes(8 << 20);
+    wait_for("resident pages never came down to 8 MiB", || {
+        e.resident_pages() <= (8 << 20) / PAGE as u64
+    });
+    e.set_quota_bytes(64 << 20);
+    verify(base, pages);
+    let s = e.snapshot();
+    assert!(
+        s.tier_bytes >= 12 << 20,
+        "the promoted pages kept their tier copies: {s:?}"
+    );
+
+    // A tier of 4 MiB: copies go (those above 4 MiB first) and the file is cut.
+    assert_eq!(e.set_tier_bytes(4 << 20), 4 << 20);
+    wait_for("tier 1 never came within 4 MiB", || {
+        let s = e.snapshot();
+        s.tier_bytes <= 4 << 20 && s.tier_file_bytes <= 4 << 20
+    });
+    let s = e.snapshot();
+    assert!(
+        s.tier_copies_dropped * PAGE as u64 >= s.tier_bytes.max(8 << 20),
+        "copies dropped: {s:?}"
+    );
+    assert_eq!(s.tier_limit_bytes, 4 << 20);
+
+    // The quota cannot be kept with 4 MiB of tier: the engine holds DRAM above it rather than
+    // exceed the tier or lose a page.
+    e.set_quota_bytes(8 << 20);
+    wait_epochs(e, 10);
+    verify(base, pages);
+    wait_epochs(e, 5);
+    let s = e.snapshot();
+    assert!(s.tier_bytes <= 4 << 20, "tier over its limit: {s:?}");
+    assert!(
+        s.dram_bytes > 16 << 20,
+        "24 MiB in 8 MiB of DRAM and 4 MiB of tier? {s:?}"
+    );
+
+    // Given room again (asked for more than its maximum: it gets the maximum), it keeps the
+    // quota.
+    assert_eq!(e.set_tier_bytes(1 << 30), 128 << 20);
+    wait_for("resident pages never came down to the quota", || {
+        e.resident_pages() <= (8 << 20) / PAGE as u64
+    });
+    verify(base, pages);
+    assert!(e.resident_pages() <= (8 << 20) / PAGE as u64 + 256);
     e.audit().unwrap();
 }
 

@@ -1,7 +1,8 @@
 //! `memtide host`: owns the host's DRAM budget and tier capacity. Tenants (`memtide run
-//! --host`) register over a Unix socket, report their figures every second and get their quota
-//! back; every epoch the budget is split again by activeness (`memtide_policy::share`). A
-//! connection that closes releases its tenant's share at once. Entry point: [`serve`].
+//! --host`) register over a Unix socket, report their figures every second and get their DRAM
+//! quota and tier share back; every epoch the budget is split again by activeness and the tier
+//! capacity by what each tenant holds beyond its quota (`memtide_policy::share`). A connection
+//! that closes releases its tenant's shares at once. Entry point: [`serve`].
 //!
 //! # Who may do what
 //!
@@ -20,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use memtide_engine::size::format as bytes;
-use memtide_policy::share::{self, Demand, ShareRules};
+use memtide_policy::share::{self, Demand, ShareRules, TierDemand};
 use memtide_policy::{Health, HealthThresholds, PAGE_SIZE};
 
 use crate::history::History;
@@ -54,6 +55,8 @@ struct Tenant {
     min: u64,
     max: Option<u64>,
     quota: u64,
+    /// Its share of the tier capacity.
+    tier: u64,
     joined: Instant,
     report: TenantReport,
     /// The report before, and when each came (for rates).
@@ -72,6 +75,25 @@ impl Tenant {
             held: pages(self.report.dram_bytes + self.report.tier_bytes)
                 .max(pages(self.report.managed_bytes)),
             active: pages(self.report.active_bytes),
+        }
+    }
+
+    /// What it needs of the tier, at the DRAM quota it has.
+    fn tier_demand(&self) -> TierDemand {
+        let pages = |b: u64| b / PAGE_SIZE as u64;
+        let r = &self.report;
+        TierDemand {
+            pinned: self.pinned,
+            may_hold: if self.previous.is_none() {
+                pages(self.tier)
+            } else {
+                pages(r.tier_bytes.max(r.tier_limit_bytes))
+            },
+            only_in_tier: pages(
+                r.tier_bytes
+                    .min(r.managed_bytes.saturating_sub(r.dram_bytes)),
+            ),
+            beyond_quota: self.demand().held.saturating_sub(pages(self.quota)),
         }
     }
 
@@ -203,6 +225,7 @@ impl Host {
                 min: r.min_bytes,
                 max: r.max_bytes,
                 quota: r.min_bytes,
+                tier: 0,
                 joined: now,
                 report: TenantReport::default(),
                 previous: None,
@@ -226,9 +249,10 @@ impl Host {
         }
     }
 
-    fn report(&mut self, id: u64, r: TenantReport) -> u64 {
+    /// Takes a tenant's figures; returns its quota and tier share.
+    fn report(&mut self, id: u64, r: TenantReport) -> (u64, u64) {
         let Some(t) = self.tenants.get_mut(&id) else {
-            return 0;
+            return (0, 0);
         };
         let now = Instant::now();
         if r.pid != 0 {
@@ -237,7 +261,7 @@ impl Host {
         let old = std::mem::replace(&mut t.report, r);
         t.previous = Some((t.reported, old));
         t.reported = now;
-        t.quota
+        (t.quota, t.tier)
     }
 
     fn change(&mut self, id: u64, c: &Change) -> Result<(), String> {
@@ -266,7 +290,8 @@ impl Host {
         Ok(())
     }
 
-    /// Splits the budget again (each epoch, and when a tenant joins, leaves or changes).
+    /// Splits the budget and the tier capacity again (each epoch, and when a tenant joins,
+    /// leaves or changes).
     pub fn rebalance(&mut self) {
         let ids: Vec<u64> = self.tenants.keys().copied().collect();
         let demands: Vec<Demand> = ids.iter().map(|id| self.tenants[id].demand()).collect();
@@ -280,6 +305,14 @@ impl Host {
             let t = self.tenants.get_mut(id).expect("tenant listed");
             let q = (q * PAGE_SIZE as u64).max(if t.pinned { 0 } else { MIN_QUOTA });
             t.quota = q;
+        }
+        let tier: Vec<TierDemand> = ids
+            .iter()
+            .map(|id| self.tenants[id].tier_demand())
+            .collect();
+        let shares = share::split_tier(self.cfg.tier_capacity_bytes / PAGE_SIZE as u64, &tier);
+        for (id, s) in ids.iter().zip(shares) {
+            self.tenants.get_mut(id).expect("tenant listed").tier = s * PAGE_SIZE as u64;
         }
     }
 
@@ -374,6 +407,7 @@ impl Host {
                 min_bytes: t.min,
                 max_bytes: t.max,
                 quota_bytes: t.quota,
+                tier_share_bytes: t.tier,
                 active_pct: t.active_pct(),
                 health: t.colour(th).as_str().into(),
                 faults_per_second: rate(|r| r.faults_zero + r.faults_tier + r.faults_inactive),
@@ -515,12 +549,12 @@ fn answer(host: &Shared, req: Request, admin: bool, uid: u32, mine: &mut Option<
             match h.register(r, uid) {
                 Ok(id) => {
                     *mine = Some(id);
-                    let used_by_others: u64 = h.tenants.values().map(|t| t.report.tier_bytes).sum();
                     Response::Registered {
                         tenant: id,
                         quota_bytes: h.tenants[&id].quota,
                         tier_dir: h.cfg.tier_dir.display().to_string(),
-                        tier_bytes: h.cfg.tier_capacity_bytes.saturating_sub(used_by_others),
+                        tier_bytes: h.tenants[&id].tier,
+                        tier_capacity_bytes: h.cfg.tier_capacity_bytes,
                         encrypt_tier: h.cfg.encrypt_tier,
                     }
                 }
@@ -528,9 +562,13 @@ fn answer(host: &Shared, req: Request, admin: bool, uid: u32, mine: &mut Option<
             }
         }
         Request::Report(r) => match *mine {
-            Some(id) => Response::Quota {
-                quota_bytes: h.report(id, r),
-            },
+            Some(id) => {
+                let (quota_bytes, tier_bytes) = h.report(id, r);
+                Response::Quota {
+                    quota_bytes,
+                    tier_bytes: Some(tier_bytes),
+                }
+            }
             None => err("register first".into()),
         },
         Request::Status => {

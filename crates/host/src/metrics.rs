@@ -194,6 +194,12 @@ impl Collector for Status {
         )?;
         gauge(
             &mut enc,
+            "memtide_tenant_tier_limit_bytes",
+            "The most the tenant's tier 1 may hold now (its share of the host's tier capacity).",
+            &per(&|t| t.tier_share_bytes as i64),
+        )?;
+        gauge(
+            &mut enc,
             "memtide_tenant_active_bytes",
             "The tenant's estimated active memory (pages touched within a second, sampled).",
             &per(&|t| t.report.active_bytes as i64),

@@ -63,6 +63,9 @@ pub struct TenantReport {
     pub pid: u32,
     pub dram_bytes: u64,
     pub tier_bytes: u64,
+    /// The most its tier may hold now.
+    #[serde(default)]
+    pub tier_limit_bytes: u64,
     pub managed_bytes: u64,
     pub active_bytes: u64,
     pub faults_zero: u64,
@@ -88,6 +91,7 @@ impl TenantReport {
         for s in snaps {
             r.dram_bytes += s.dram_bytes;
             r.tier_bytes += s.tier_bytes;
+            r.tier_limit_bytes += s.tier_limit_bytes;
             r.managed_bytes += s.managed_bytes;
             r.active_bytes += s.active_bytes;
             r.faults_zero += s.faults_zero;
@@ -164,15 +168,23 @@ pub enum Response {
     Registered {
         tenant: u64,
         quota_bytes: u64,
-        /// Where the tenant's tier file goes, and the most it may hold.
+        /// Where the tenant's tier file goes, and the most it may hold now (its share of the
+        /// host's tier capacity, which later `Quota` answers change).
         tier_dir: String,
         tier_bytes: u64,
+        /// The host's tier capacity: the most a share can grow to.
+        #[serde(default)]
+        tier_capacity_bytes: u64,
         /// The host encrypts every tenant's tier pages.
         #[serde(default)]
         encrypt_tier: bool,
     },
     Quota {
         quota_bytes: u64,
+        /// The tenant's share of the host's tier capacity (`None`: the daemon does not share
+        /// it; keep the size registered with).
+        #[serde(default)]
+        tier_bytes: Option<u64>,
     },
     Status(HostStatus),
     Done,
@@ -212,6 +224,9 @@ pub struct TenantStatus {
     pub min_bytes: u64,
     pub max_bytes: Option<u64>,
     pub quota_bytes: u64,
+    /// Its share of the host's tier capacity.
+    #[serde(default)]
+    pub tier_share_bytes: u64,
     /// Active memory as a share of the quota, and its colour.
     pub active_pct: f64,
     pub health: String,

@@ -4,12 +4,20 @@
 //! what it can use. Quotas move only when the change is worth it (hysteresis), so they do not
 //! flap with the noise of the activeness estimate. Entry point: [`split`].
 //!
+//! The host's tier capacity is shared too ([`split_tier`]): each tenant gets room for the pages
+//! it holds beyond its DRAM quota (with headroom), never less than what lives only in its tier,
+//! and the rest of the capacity in equal parts, so that a tenant that grows between two splits
+//! can evict at once. A share grows only into capacity no tenant holds: a tenant whose share
+//! shrank keeps what it holds until it has given it back.
+//!
 //! # Invariants (property-tested)
 //!
 //! - The quotas never add up to more than the budget.
 //! - A tiered tenant never gets less than its minimum while the minimums fit the budget (the
 //!   daemon refuses a tenant whose minimum does not fit), nor more than its maximum.
 //! - A busy tenant cannot take another's minimum.
+//! - The tier shares never add up to more than the capacity, nor do the shares and what tenants
+//!   hold beyond them; a pinned tenant gets none.
 
 /// What the host knows of one tenant when it splits the budget (all in pages).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -157,6 +165,104 @@ fn targets(budget: u64, tenants: &[Demand], rules: &ShareRules) -> Vec<u64> {
     q
 }
 
+/// What the host knows of one tenant when it splits its tier capacity (all in pages).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TierDemand {
+    /// Never tiered: it needs no tier.
+    pub pinned: bool,
+    /// Pages its tier holds, or may fill before it has heard of a smaller share: the larger
+    /// of what it holds and the limit its engine last reported (for a tenant that has not
+    /// reported yet, the share it was given).
+    pub may_hold: u64,
+    /// Pages that live only in its tier (not in DRAM as well). They leave the tier only when
+    /// the program brings them back or frees them, so its share is not cut below them.
+    pub only_in_tier: u64,
+    /// Pages it holds beyond its DRAM quota: what its tier must hold for the quota to be kept.
+    pub beyond_quota: u64,
+}
+
+/// Room a tenant's tier share leaves above what it holds beyond its quota (a multiple).
+const TIER_HEADROOM: f64 = 1.25;
+
+/// Each tenant's tier share (in pages, in the order given) of a `capacity` of pages.
+pub fn split_tier(capacity: u64, tenants: &[TierDemand]) -> Vec<u64> {
+    let tiered = tenants.iter().filter(|d| !d.pinned).count() as u64;
+    let floors: Vec<u64> = tenants
+        .iter()
+        .map(|d| if d.pinned { 0 } else { d.only_in_tier })
+        .collect();
+    let floor_sum: u64 = floors.iter().sum();
+    if floor_sum >= capacity {
+        // More lives in the tiers than the capacity (it was lowered, or tenants overran):
+        // nobody grows; each keeps a part of the capacity in proportion to what it holds.
+        return floors
+            .iter()
+            .map(|&f| (f as u128 * capacity as u128 / floor_sum.max(1) as u128) as u64)
+            .collect();
+    }
+    let mut share = floors;
+    let mut left = capacity - floor_sum;
+    // Room for what each holds beyond its quota, in proportion when it does not all fit.
+    let wants: Vec<u64> = tenants
+        .iter()
+        .zip(&share)
+        .map(|(d, &have)| {
+            if d.pinned {
+                0
+            } else {
+                ((d.beyond_quota as f64 * TIER_HEADROOM) as u64).saturating_sub(have)
+            }
+        })
+        .collect();
+    let total: u64 = wants.iter().sum();
+    for (s, &w) in share.iter_mut().zip(&wants) {
+        let g = if total <= left {
+            w
+        } else {
+            (w as u128 * left as u128 / total as u128) as u64
+        };
+        *s += g;
+    }
+    left = capacity.saturating_sub(share.iter().sum());
+    // The rest in equal parts (the remainder of the division to the first).
+    if let Some(each) = left.checked_div(tiered) {
+        let mut extra = left - each * tiered;
+        for (s, d) in share.iter_mut().zip(tenants) {
+            if !d.pinned {
+                *s += each + u64::from(extra > 0);
+                extra = extra.saturating_sub(1);
+            }
+        }
+    }
+    // Growth only into capacity nobody holds: a tenant that must shrink may still fill what its
+    // engine allows until it has heard of its new share and given back what it holds beyond
+    // it, so the others' growth waits for it.
+    let held_beyond: u64 = share
+        .iter()
+        .zip(tenants)
+        .map(|(&x, d)| d.may_hold.saturating_sub(x))
+        .sum();
+    let growth: u64 = share
+        .iter()
+        .zip(tenants)
+        .map(|(&x, d)| x.saturating_sub(d.may_hold))
+        .sum();
+    let committed: u64 = share.iter().sum::<u64>() + held_beyond;
+    if committed > capacity && growth > 0 {
+        let cut = (committed - capacity).min(growth);
+        let mut cut_left = cut;
+        for (x, d) in share.iter_mut().zip(tenants) {
+            let g = x.saturating_sub(d.may_hold);
+            let c = ((g as u128 * cut as u128).div_ceil(growth as u128) as u64)
+                .min(g)
+                .min(cut_left);
+            *x -= c;
+            cut_left -= c;
+        }
+    }
+    share
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -243,6 +349,52 @@ mod tests {
         );
     }
 
+    fn tier(only_in_tier: u64, beyond_quota: u64) -> TierDemand {
+        TierDemand {
+            pinned: false,
+            may_hold: only_in_tier,
+            only_in_tier,
+            beyond_quota,
+        }
+    }
+
+    #[test]
+    fn tier_share_covers_what_each_holds_beyond_its_quota_then_splits_the_rest() {
+        let pinned = TierDemand {
+            pinned: true,
+            may_hold: 0,
+            only_in_tier: 0,
+            beyond_quota: 0,
+        };
+        let s = split_tier(10_000, &[tier(1000, 4000), tier(0, 0), pinned]);
+        // 5000 for the first (4000 x 1.25), then 5000 left in halves.
+        assert_eq!(s, vec![7500, 2500, 0]);
+    }
+
+    #[test]
+    fn tier_share_is_proportional_when_the_needs_do_not_fit() {
+        let s = split_tier(1000, &[tier(200, 1600), tier(0, 800)]);
+        // 200 kept, 800 left for wants of 1800 and 1000 (514 and 285, the page the rounding
+        // left to the first).
+        assert_eq!(s, vec![200 + 514 + 1, 285]);
+        let s = split_tier(100, &[tier(300, 300), tier(100, 100)]);
+        assert_eq!(s, vec![75, 25], "over capacity: kept in proportion");
+    }
+
+    #[test]
+    fn tier_share_grows_only_into_capacity_nobody_holds() {
+        // The first holds 900 (600 of it copies of pages in DRAM as well); a newcomer's share
+        // waits until the first has given back what its smaller share leaves over.
+        let mut first = tier(300, 300);
+        first.may_hold = 900;
+        // Targets: 375 + 63 and 500 + 62 (room beyond the quota, then the rest in halves).
+        let s = split_tier(1000, &[first, tier(0, 400)]);
+        assert_eq!(s, vec![438, 100], "only the 100 nobody holds");
+        first.may_hold = 438;
+        let s = split_tier(1000, &[first, tier(0, 400)]);
+        assert_eq!(s, vec![438, 562]);
+    }
+
     fn demand() -> impl Strategy<Value = Demand> {
         (
             0u64..400,
@@ -303,6 +455,54 @@ mod tests {
                         prop_assert!(q <= d.max, "{q} above the maximum of {d:?}");
                     }
                 }
+            }
+        }
+    }
+
+    proptest! {
+        /// The tier shares never exceed the capacity, a pinned tenant gets none, and while what
+        /// they need fits, every tiered tenant gets at least what lives only in its tier and
+        /// room for what it holds beyond its quota.
+        #[test]
+        fn tier_shares_stay_within_the_capacity(
+            capacity in 0u64..100_000,
+            tenants in prop::collection::vec(
+                (any::<bool>(), 0u64..20_000, 0u64..20_000, 0u64..20_000),
+                0..12,
+            ),
+        ) {
+            let t: Vec<TierDemand> = tenants
+                .iter()
+                .map(|&(pinned, a, b, c)| TierDemand {
+                    pinned,
+                    may_hold: if pinned { 0 } else { c.max(a.min(b)) },
+                    only_in_tier: a.min(b),
+                    beyond_quota: b,
+                })
+                .collect();
+            let s = split_tier(capacity, &t);
+            prop_assert!(s.iter().sum::<u64>() <= capacity, "{s:?} over {capacity}");
+            let held: u64 = t.iter().map(|d| d.may_hold).sum();
+            let committed: u64 = s.iter().zip(&t).map(|(&x, d)| x.max(d.may_hold)).sum();
+            prop_assert!(
+                held > capacity || committed <= capacity,
+                "shares {s:?} and what is held beyond them exceed {capacity}: {t:?}"
+            );
+            let need: u64 = t
+                .iter()
+                .filter(|d| !d.pinned)
+                .map(|d| (d.beyond_quota as f64 * TIER_HEADROOM) as u64)
+                .sum();
+            let settled = t.iter().zip(&s).all(|(d, &x)| d.may_hold <= x);
+            for (d, &x) in t.iter().zip(&s) {
+                if d.pinned {
+                    prop_assert_eq!(x, 0);
+                } else if need <= capacity && settled {
+                    prop_assert!(x >= (d.beyond_quota as f64 * TIER_HEADROOM) as u64);
+                }
+            }
+            if t.iter().any(|d| !d.pinned) && need <= capacity && settled {
+                prop_assert_eq!(s.iter().sum::<u64>(), capacity, "capacity left unshared");
             }
         }
     }

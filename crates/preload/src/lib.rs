@@ -86,6 +86,7 @@ struct Settings {
     dram: u64,
     tier: PathBuf,
     tier_size: Option<u64>,
+    tier_max: Option<u64>,
     arena: u64,
     stats_dir: Option<PathBuf>,
     stats_interval_ms: u64,
@@ -142,6 +143,7 @@ fn engine_or_start() -> Option<&'static Engine> {
     let s = unsafe { &*SETTINGS.load(Ordering::Acquire) };
     let mut cfg = Config::new(s.dram, s.tier.clone());
     cfg.tier_bytes = s.tier_size;
+    cfg.tier_max_bytes = s.tier_max;
     cfg.arena_bytes = s.arena;
     cfg.faults = s.faults;
     cfg.encrypt_tier = s.encrypt_tier;
@@ -210,6 +212,7 @@ fn load_settings() {
         dram,
         tier: PathBuf::from(tier),
         tier_size: env_size("MEMTIDE_TIER_SIZE"),
+        tier_max: env_size("MEMTIDE_TIER_MAX"),
         arena: env_size("MEMTIDE_ARENA").unwrap_or(1 << 40),
         stats_dir: std::env::var_os("MEMTIDE_STATS_DIR").map(PathBuf::from),
         stats_interval_ms: std::env::var("MEMTIDE_STATS_INTERVAL_MS")
@@ -235,22 +238,27 @@ fn write_stats(e: &Engine, dir: &std::path::Path) {
     }
 }
 
-/// A new quota from the launcher (`memtide run --host` passes on the host daemon's), if the
-/// `quota` file in the stats directory says one other than `now`.
-fn quota_asked(dir: &std::path::Path, now: u64) -> Option<u64> {
-    let text = std::fs::read_to_string(dir.join(launch::QUOTA_FILE)).ok()?;
+/// A number of bytes the launcher asks for through `file` in the stats directory (a new
+/// quota or tier size: `memtide run --host` passes on the host daemon's), if other than `now`.
+fn asked(dir: &std::path::Path, file: &str, now: u64) -> Option<u64> {
+    let text = std::fs::read_to_string(dir.join(file)).ok()?;
     let q: u64 = text.trim().parse().ok()?;
     (q != now).then_some(q)
 }
 
 fn start_stats_thread(e: &'static Engine, dir: PathBuf, interval_ms: u64) {
     let _ = memtide_engine::threads::spawn("memtide-stats", move || {
-        let mut asked = e.quota_bytes();
+        let mut quota = e.quota_bytes();
+        let mut tier = e.tier_limit_bytes();
         loop {
             std::thread::sleep(std::time::Duration::from_millis(interval_ms.max(50)));
-            if let Some(q) = quota_asked(&dir, asked) {
-                asked = q;
+            if let Some(q) = asked(&dir, launch::QUOTA_FILE, quota) {
+                quota = q;
                 e.set_quota_bytes(q);
+            }
+            if let Some(t) = asked(&dir, launch::TIER_FILE, tier) {
+                tier = t;
+                e.set_tier_bytes(t);
             }
             write_stats(e, &dir);
         }

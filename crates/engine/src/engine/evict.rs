@@ -52,6 +52,11 @@ impl Engine {
                 Counters::bump(&self.counters.epochs);
             }
             let ecpu0 = sys::thread_cpu_ns();
+            if self.tier_reclaim.swap(false, Ordering::AcqRel)
+                || (new_epoch && self.slots().over_limit() > 0)
+            {
+                self.reclaim_tier(Watermarks::MAX_BATCH * 4);
+            }
             if self.tier_full.load(Ordering::Acquire) && (new_epoch || self.tier_has_room()) {
                 // Try again: the program freed slots, or the filesystem may have room now.
                 self.tier_full.store(false, Ordering::Release);
@@ -108,10 +113,69 @@ impl Engine {
         !self.tier_failed.load(Ordering::Acquire) && !self.tier_full.load(Ordering::Acquire)
     }
 
-    /// Whether tier 1 has free slots (after it was found full).
+    /// Whether tier 1 has free slots within its limit (after it was found full).
     fn tier_has_room(&self) -> bool {
-        let s = self.slots();
-        s.in_use() < s.len()
+        self.slots().has_room()
+    }
+
+    /// Brings tier 1 within its limit (and, when it was found full, makes `room` free slots
+    /// where it can): drops the tier copies of pages that are in DRAM as well (a promoted page
+    /// keeps its copy so that its next eviction needs no write; it is written again then) —
+    /// every copy in a slot above the limit, and others until few enough slots are in use —
+    /// then cuts the store's free tail above the limit. Pages that live only in tier 1 are
+    /// never touched. Returns the slots freed.
+    fn reclaim_tier(&self, room: u64) -> u64 {
+        let (limit, len, mut in_use, target) = {
+            let s = self.slots();
+            let short = if self.tier_full.load(Ordering::Acquire) {
+                room.saturating_sub(s.limit().min(s.len()).saturating_sub(s.in_use()))
+            } else {
+                0
+            };
+            (
+                s.limit(),
+                s.len(),
+                s.in_use(),
+                s.limit().saturating_sub(short),
+            )
+        };
+        let mut freed: Vec<u64> = Vec::new();
+        let hw = self.high_water.load(Ordering::Acquire);
+        for i in 0..hw {
+            if in_use <= target && len <= limit {
+                break;
+            }
+            match self.pt.slot(i) {
+                Some(s) if s >= limit || in_use > target => {}
+                _ => continue,
+            }
+            let st = self.pt.load(i).state();
+            if !matches!(st, State::Mapped | State::Staged) {
+                continue;
+            }
+            // Claimed, the page cannot be freed, evicted or brought in while its copy goes.
+            if self.pt.claim(i, st, false).is_none() {
+                continue;
+            }
+            if let Some(s) = self.pt.slot(i) {
+                self.pt.set_slot(i, None);
+                freed.push(s);
+                in_use -= 1;
+            }
+            self.pt.publish(i, st, None);
+        }
+        let mut slots = self.slots();
+        for &s in &freed {
+            slots.free(s);
+        }
+        if let Some(to) = slots.shrink_to() {
+            // The map stays locked: no slot is allocated above `to` meanwhile.
+            if self.tier.shrink(to).is_ok() {
+                slots.shrunk(to);
+            }
+        }
+        Counters::add(&self.counters.tier_copies_dropped, freed.len() as u64);
+        freed.len() as u64
     }
 
     /// Ends an epoch: shifts every page's history. Returns the pages seen touched in this
@@ -455,6 +519,8 @@ impl Engine {
                 self.tier.describe()
             ));
             self.tier_full.store(true, Ordering::Release);
+            // Tier copies of pages also in DRAM can make room for more evictions.
+            self.tier_reclaim.store(true, Ordering::Release);
             self.keep_in_dram(&dirty[written..], failed);
         }
     }

@@ -77,6 +77,9 @@ pub struct Config {
     pub tier_path: PathBuf,
     /// Most bytes tier 1 may hold (default: the arena's size).
     pub tier_bytes: Option<u64>,
+    /// The most the tier size may be raised to at run time ([`Engine::set_tier_bytes`]; a host
+    /// daemon's share of its tier capacity). Default: `tier_bytes`, fixed.
+    pub tier_max_bytes: Option<u64>,
     /// Virtual size of the arena: the most managed memory the program can have at once.
     pub arena_bytes: u64,
     /// Length of an activeness epoch.
@@ -101,6 +104,7 @@ impl Config {
             dram_bytes,
             tier_path: tier_path.into(),
             tier_bytes: None,
+            tier_max_bytes: None,
             arena_bytes: 1 << 40,
             epoch_ms: 200,
             faults: Delivery::Threads,
@@ -179,6 +183,9 @@ pub struct Engine {
     tier_failed: AtomicBool,
     /// Set when tier 1 is full: eviction pauses until slots are freed or an epoch passes.
     tier_full: AtomicBool,
+    /// Asks the evictor to bring tier 1 within its limit or make room in it (the limit was
+    /// lowered, or the tier filled up): see `reclaim_tier`.
+    tier_reclaim: AtomicBool,
     /// Set after `fork` fallback: memory is all in DRAM and no longer registered.
     detached: AtomicBool,
     /// Whether the arena and staging area are locked in DRAM (see `start`).
@@ -212,12 +219,14 @@ impl Engine {
         if let Some(faults) = &cfg.tier_faults {
             tier = Box::new(Faulty::new(tier, faults.clone()));
         }
-        let tier_limit = cfg.tier_bytes.unwrap_or(cfg.arena_bytes) / PAGE_SIZE as u64;
-        let tier_limit = tier_limit.min(u32::MAX as u64 - 2);
+        let slots_of = |b: u64| (b / PAGE_SIZE as u64).min(u32::MAX as u64 - 2);
+        let tier_limit = slots_of(cfg.tier_bytes.unwrap_or(cfg.arena_bytes));
+        let tier_cap = cfg
+            .tier_max_bytes
+            .map_or(tier_limit, |m| slots_of(m).max(tier_limit));
         if cfg.encrypt_tier {
-            tier = Box::new(
-                Encrypted::new(tier, tier_limit).map_err(io_err("set up tier encryption"))?,
-            );
+            tier =
+                Box::new(Encrypted::new(tier, tier_cap).map_err(io_err("set up tier encryption"))?);
         }
         let arena_pages = (cfg.arena_bytes as usize / PAGE_SIZE).max(ZERO_CHUNK);
         let arena = Mapping::anon(arena_pages * PAGE_SIZE).map_err(io_err("reserve the arena"))?;
@@ -250,7 +259,7 @@ impl Engine {
             ring,
             pt: PageTable::new(arena_pages).map_err(io_err("map the page table"))?,
             tier,
-            slots: Mutex::new(SlotMap::new(tier_limit)),
+            slots: Mutex::new(SlotMap::new(tier_limit, tier_cap)),
             ranges: Mutex::new(RangeAlloc::new(arena_pages)),
             high_water: AtomicUsize::new(0),
             zero: Mapping::anon(ZERO_CHUNK * PAGE_SIZE).map_err(io_err("map zeros"))?,
@@ -261,6 +270,7 @@ impl Engine {
             epoch_ns: cfg.epoch_ms.max(1) * 1_000_000,
             tier_failed: AtomicBool::new(false),
             tier_full: AtomicBool::new(false),
+            tier_reclaim: AtomicBool::new(false),
             detached: AtomicBool::new(false),
             locked,
             pause: AtomicBool::new(false),
@@ -387,6 +397,24 @@ impl Engine {
         q * PAGE_SIZE as u64
     }
 
+    /// The most bytes tier 1 may hold now.
+    pub fn tier_limit_bytes(&self) -> u64 {
+        self.slots().limit() * PAGE_SIZE as u64
+    }
+
+    /// Sets how much tier 1 may hold from now on (a host daemon's share of its tier capacity),
+    /// at most the `tier_max_bytes` the engine started with; returns the limit in force. A
+    /// lower limit is reached by dropping tier copies of pages that are also in DRAM and then
+    /// by evicting only into freed slots: pages that live only in tier 1 stay there, so until
+    /// they come back or are freed, eviction stops and the program holds DRAM above its quota
+    /// rather than lose a page.
+    pub fn set_tier_bytes(&self, bytes: u64) -> u64 {
+        let limit = self.slots().set_limit(bytes / PAGE_SIZE as u64);
+        self.tier_reclaim.store(true, Ordering::Release);
+        self.bell.ring_always();
+        limit * PAGE_SIZE as u64
+    }
+
     /// Pages of managed memory the program currently has allocated.
     pub fn managed_pages(&self) -> u64 {
         self.counters.managed_pages.load(Ordering::Relaxed)
@@ -430,9 +458,9 @@ impl Engine {
         let c = &self.counters;
         let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let page = PAGE_SIZE as u64;
-        let (tier_pages, tier_file_pages) = {
+        let (tier_pages, tier_file_pages, tier_limit_pages) = {
             let s = self.slots();
-            (s.in_use(), s.len())
+            (s.in_use(), s.len(), s.limit())
         };
         Snapshot {
             pid: self.pid,
@@ -443,6 +471,7 @@ impl Engine {
             inactive_bytes: self.ring.staged.load(Ordering::Relaxed) * page,
             tier_bytes: tier_pages * page,
             tier_file_bytes: tier_file_pages * page,
+            tier_limit_bytes: tier_limit_pages * page,
             managed_bytes: r(&c.managed_pages) * page,
             peak_managed_bytes: r(&c.peak_managed_pages) * page,
             active_bytes: r(&c.active_pages) * page,
@@ -459,6 +488,7 @@ impl Engine {
             demotions: r(&c.demotions),
             demotions_clean: r(&c.demotions_clean),
             demotions_zero: r(&c.demotions_zero),
+            tier_copies_dropped: r(&c.tier_copies_dropped),
             deactivations: r(&c.deactivations),
             reactivations: r(&c.reactivations),
             recorded_events: self.recorder.as_ref().map_or(0, |r| r.written()),

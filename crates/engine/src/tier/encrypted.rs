@@ -177,6 +177,10 @@ impl Backend for Encrypted {
         self.inner.grow(slots)
     }
 
+    fn shrink(&self, slots: u64) -> io::Result<()> {
+        self.inner.shrink(slots)
+    }
+
     fn direct(&self) -> bool {
         self.inner.direct()
     }

@@ -98,6 +98,10 @@ impl Backend for Faulty {
         self.inner.grow(slots)
     }
 
+    fn shrink(&self, slots: u64) -> io::Result<()> {
+        self.inner.shrink(slots)
+    }
+
     fn direct(&self) -> bool {
         self.inner.direct()
     }

@@ -141,6 +141,19 @@ impl Backend for FileTier {
         Ok(())
     }
 
+    fn shrink(&self, slots: u64) -> io::Result<()> {
+        let bytes = slots * PAGE_SIZE as u64;
+        if bytes >= self.size.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        // SAFETY: plain system call on our own fd.
+        if unsafe { libc::ftruncate(self.fd.as_raw_fd(), bytes as libc::off_t) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        self.size.store(bytes, Ordering::Relaxed);
+        Ok(())
+    }
+
     fn direct(&self) -> bool {
         self.direct
     }

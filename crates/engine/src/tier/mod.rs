@@ -71,6 +71,9 @@ pub trait Backend: Send + Sync {
     /// Makes room for `slots` slots in total (grows the backing store).
     fn grow(&self, slots: u64) -> io::Result<()>;
 
+    /// Cuts the backing store to `slots` slots (none above is in use), giving the space back.
+    fn shrink(&self, slots: u64) -> io::Result<()>;
+
     /// Whether the backend bypasses the page cache (O_DIRECT).
     fn direct(&self) -> bool;
 

@@ -2,6 +2,10 @@
 //! slots so that a write-back batch becomes one large sequential write. Entry point:
 //! [`SlotMap::alloc_run`]. Not used on the fault path (only the evictor and the program's own
 //! memory calls allocate and free slots).
+//!
+//! The tier's size may change at run time ([`SlotMap::set_limit`], a host daemon's share of its
+//! tier capacity): a lowered limit is kept by allocating only below it, never more slots in use
+//! than it allows, and by cutting the store's free tail ([`SlotMap::shrink_to`]).
 
 /// Which tier-1 slots are in use.
 #[derive(Debug, Default)]
@@ -13,16 +17,80 @@ pub struct SlotMap {
     in_use: u64,
     /// Where the next search starts: allocation proceeds round the file like a log.
     cursor: u64,
-    /// Most slots allowed (the tier size).
+    /// Slots allowed now: in use at once, and as an index (the tier size).
     limit: u64,
+    /// The most `limit` may be raised to.
+    cap: u64,
 }
 
 impl SlotMap {
-    pub fn new(limit: u64) -> SlotMap {
+    /// A map of at most `limit` slots (the limit may later be set anywhere up to `cap`).
+    pub fn new(limit: u64, cap: u64) -> SlotMap {
         SlotMap {
-            limit,
+            limit: limit.min(cap),
+            cap,
             ..SlotMap::default()
         }
+    }
+
+    /// Sets how many slots the tier may use from now on (at most the cap given at creation);
+    /// returns the limit in force. Slots already in use above it stay until they are freed:
+    /// see [`over_limit`](Self::over_limit) and [`shrink_to`](Self::shrink_to).
+    pub fn set_limit(&mut self, limit: u64) -> u64 {
+        self.limit = limit.min(self.cap);
+        self.limit
+    }
+
+    /// Slots in use beyond the limit (after it was lowered).
+    pub fn over_limit(&self) -> u64 {
+        self.in_use.saturating_sub(self.limit)
+    }
+
+    /// Whether a slot can be allocated without growing the store.
+    pub fn has_room(&self) -> bool {
+        self.in_use < self.limit && self.free_below(self.len.min(self.limit))
+    }
+
+    fn free_below(&self, end: u64) -> bool {
+        (0..end.div_ceil(64)).any(|w| {
+            let bits = (end - w * 64).min(64);
+            let mask = if bits == 64 {
+                u64::MAX
+            } else {
+                (1 << bits) - 1
+            };
+            self.used[w as usize] & mask != mask
+        })
+    }
+
+    /// The store size to cut the store to when it is longer than the limit: just above the
+    /// highest slot in use, not below the limit. `None` when there is nothing to cut. The
+    /// caller shrinks the store, then calls [`shrunk`](Self::shrunk).
+    pub fn shrink_to(&self) -> Option<u64> {
+        if self.len <= self.limit {
+            return None;
+        }
+        let top = (0..self.len.div_ceil(64))
+            .rev()
+            .find(|&w| self.used[w as usize] != 0)
+            .map_or(0, |w| {
+                w * 64 + 64 - self.used[w as usize].leading_zeros() as u64
+            });
+        let to = top.max(self.limit);
+        (to < self.len).then_some(to)
+    }
+
+    /// The store now holds `len` slots (after [`shrink_to`](Self::shrink_to)).
+    pub fn shrunk(&mut self, len: u64) {
+        debug_assert!(len >= self.shrink_to().unwrap_or(len));
+        self.len = len;
+        self.used.truncate(len.div_ceil(64) as usize);
+        if let Some(w) = self.used.last_mut() {
+            if !len.is_multiple_of(64) {
+                *w &= (1 << (len % 64)) - 1;
+            }
+        }
+        self.cursor = self.cursor.min(len);
     }
 
     pub fn in_use(&self) -> u64 {
@@ -69,16 +137,18 @@ impl SlotMap {
         want: u64,
         mut grow: impl FnMut(u64) -> bool,
     ) -> Option<(u64, u64)> {
+        let want = want.min(self.limit.saturating_sub(self.in_use));
         if want == 0 {
             return None;
         }
+        let end = self.len.min(self.limit);
         if self.in_use < self.len {
-            // A free slot exists below len: find it from the cursor, wrapping once.
+            // A free slot may exist below the end: find it from the cursor, wrapping once.
             for pass in 0..2 {
                 let (from, to) = if pass == 0 {
-                    (self.cursor, self.len)
+                    (self.cursor.min(end), end)
                 } else {
-                    (0, self.cursor.min(self.len))
+                    (0, self.cursor.min(end))
                 };
                 let mut s = from;
                 while s < to {
@@ -89,7 +159,7 @@ impl SlotMap {
                     }
                     if !self.is_used(s) {
                         let mut n = 0;
-                        while n < want && s + n < self.len && !self.is_used(s + n) {
+                        while n < want && s + n < end && !self.is_used(s + n) {
                             self.set(s + n, true);
                             n += 1;
                         }
@@ -101,7 +171,7 @@ impl SlotMap {
                 }
             }
         }
-        // Extend the store.
+        // Extend the store (never past the limit).
         let n = want.min(self.limit.saturating_sub(self.len));
         if n == 0 {
             return None;
@@ -141,7 +211,7 @@ mod tests {
 
     #[test]
     fn runs_are_consecutive_and_reused_after_free() {
-        let mut m = SlotMap::new(10_000);
+        let mut m = SlotMap::new(10_000, 10_000);
         let (a, n) = m.alloc_run(100, |_| true).unwrap();
         assert_eq!((a, n), (0, 100));
         let (b, n2) = m.alloc_run(50, |_| true).unwrap();
@@ -157,7 +227,7 @@ mod tests {
 
     #[test]
     fn full_tier_refuses() {
-        let mut m = SlotMap::new(8);
+        let mut m = SlotMap::new(8, 8);
         assert_eq!(m.alloc_run(8, |_| true), Some((0, 8)));
         assert_eq!(m.alloc_run(1, |_| true), None);
         m.free(3);
@@ -166,9 +236,45 @@ mod tests {
 
     #[test]
     fn failed_growth_allocates_nothing() {
-        let mut m = SlotMap::new(100);
+        let mut m = SlotMap::new(100, 100);
         assert_eq!(m.alloc_run(4, |_| false), None);
         assert_eq!(m.in_use(), 0);
         assert_eq!(m.len(), 0);
+    }
+
+    #[test]
+    fn a_lowered_limit_allocates_below_it_and_cuts_the_free_tail() {
+        let mut m = SlotMap::new(100, 1000);
+        assert_eq!(m.alloc_run(100, |_| true), Some((0, 100)));
+        assert_eq!(m.alloc_run(1, |_| true), None, "at the limit");
+        assert_eq!(m.set_limit(2000), 1000, "not above the cap");
+        assert_eq!(m.alloc_run(50, |_| true), Some((100, 50)));
+        // Lower it to 60: 90 slots over, nothing allocated until enough are freed.
+        m.set_limit(60);
+        assert_eq!(m.over_limit(), 90);
+        assert!(!m.has_room());
+        for s in 0..100 {
+            m.free(s);
+        }
+        assert_eq!(m.over_limit(), 0);
+        assert!(m.has_room());
+        // Slots 100..150 are still in use: the store can be cut to 150, not to the limit.
+        assert_eq!(m.shrink_to(), Some(150));
+        let (first, n) = m.alloc_run(100, |_| true).unwrap();
+        assert!(first + n <= 60, "allocated below the limit: {first}+{n}");
+        assert_eq!(m.in_use(), 50 + n);
+        for s in 100..150 {
+            m.free(s);
+        }
+        let to = m.shrink_to().expect("a free tail above the limit");
+        assert_eq!(to, 60);
+        m.shrunk(to);
+        assert_eq!(m.len(), 60);
+        assert_eq!(m.shrink_to(), None);
+        // Raised again: the free slots left first, then the store grows as before.
+        m.set_limit(500);
+        assert_eq!(m.alloc_run(100, |_| true), Some((n, 60 - n)));
+        assert_eq!(m.alloc_run(100, |_| true), Some((60, 100)));
+        assert!(m.len() >= 160);
     }
 }

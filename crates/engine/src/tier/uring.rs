@@ -251,6 +251,10 @@ impl Backend for UringTier {
         self.file.grow(slots)
     }
 
+    fn shrink(&self, slots: u64) -> io::Result<()> {
+        self.file.shrink(slots)
+    }
+
     fn direct(&self) -> bool {
         self.file.direct()
     }
