@@ -7,7 +7,8 @@
  * Settings arrive as kernel command-line words, which the kernel passes to init as
  * environment variables: fill_mib=N (default: 75% of RAM), rounds=N (passes over the memory,
  * default 2), balloon=1 (load the virtio-balloon driver and free the memory at the end),
- * settle=S (seconds to wait after freeing, default 8).
+ * settle=S (seconds to wait after freeing, default 8), until_told=1 (end the wait early when a
+ * line arrives on the console: the host says it has seen what it waited for).
  *
  * mode=paced runs a steady load instead, for density experiments: after filling, it makes
  * rate=N accesses per second (default 200000) for warmup=W (default 0) and then seconds=S
@@ -20,6 +21,7 @@
  */
 #define _GNU_SOURCE
 #include <fcntl.h>
+#include <poll.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -196,11 +198,24 @@ int main(void) {
     if (balloon) {
         munmap(m, len);
         long settle = setting("settle", 8);
+        int until_told = setting("until_told", 0) != 0;
         sysinfo(&si);
-        say("memtide-guest: freed %ld MiB (guest free now %llu MiB); waiting %ld s for free page "
-            "reporting\n",
-            fill_mib, (unsigned long long)((uint64_t)si.freeram * si.mem_unit >> 20), settle);
-        sleep((unsigned)settle);
+        say("memtide-guest: freed %ld MiB (guest free now %llu MiB); waiting %s%ld s for free "
+            "page reporting\n",
+            fill_mib, (unsigned long long)((uint64_t)si.freeram * si.mem_unit >> 20),
+            until_told ? "until told, at most " : "", settle);
+        if (until_told) {
+            struct pollfd p = {.fd = 0, .events = POLLIN};
+            double t1 = now();
+            int told = poll(&p, 1, (int)(settle * 1000)) > 0;
+            if (told) {
+                char line[64];
+                (void)!read(0, line, sizeof line);
+            }
+            say("memtide-guest: %s after %.1f s\n", told ? "told to finish" : "not told", now() - t1);
+        } else {
+            sleep((unsigned)settle);
+        }
         say("memtide-guest: done\n");
     }
     power_off();

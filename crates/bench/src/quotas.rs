@@ -231,9 +231,13 @@ fn with_daemon(
     budget: u64,
     min: u64,
 ) -> Result<(Vec<f64>, Watch)> {
+    // Tier for everything the tenants hold, as each has in the static split: the comparison
+    // is about DRAM.
+    let tier = a.tenant_footprint * TENANTS.len() as u64;
     let mut daemon = Command::new(exe)
         .args(["host", "--dram", &budget.to_string(), "--tier"])
         .arg(&a.tier)
+        .args(["--tier-size", &tier.to_string()])
         .arg("--socket")
         .arg(socket)
         .args(["--metrics", "off"])

@@ -145,24 +145,59 @@ pub fn fails_with(args: &[&str], needle: &str) {
 /// (the program memtide started included) if it runs longer than `limit`, and then fails the
 /// test saying so: a hang costs minutes, not the whole CI budget.
 pub fn output_within(cmd: &mut Command, limit: Duration) -> Output {
+    run_within(cmd, limit, None)
+}
+
+/// [`output_within`], with the program's standard input piped: once `done` holds (asked
+/// every 100 ms) a line is sent on it (a guest waiting on its console for the test to say it
+/// has seen what it waited for).
+pub fn output_within_telling(
+    cmd: &mut Command,
+    limit: Duration,
+    done: impl FnMut() -> bool + Send + 'static,
+) -> Output {
+    run_within(cmd, limit, Some(Box::new(done)))
+}
+
+type Tell = Box<dyn FnMut() -> bool + Send>;
+
+fn run_within(cmd: &mut Command, limit: Duration, mut tell: Option<Tell>) -> Output {
+    use std::io::Write;
     use std::os::unix::process::CommandExt;
     use std::process::Stdio;
-    let child = cmd
+    if tell.is_some() {
+        cmd.stdin(Stdio::piped());
+    }
+    let mut child = cmd
         .process_group(0)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     let pid = child.id();
+    let mut stdin = child.stdin.take();
     let (done, wait) = std::sync::mpsc::channel::<()>();
     let watchdog = std::thread::spawn(move || {
-        let timed_out = wait.recv_timeout(limit).is_err();
-        if timed_out {
-            let _ = Command::new("kill")
-                .args(["-KILL", "--", &format!("-{pid}")])
-                .status();
+        let t0 = Instant::now();
+        loop {
+            match wait.recv_timeout(Duration::from_millis(100)) {
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                _ => return false,
+            }
+            if t0.elapsed() > limit {
+                let _ = Command::new("kill")
+                    .args(["-KILL", "--", &format!("-{pid}")])
+                    .status();
+                return true;
+            }
+            if let (Some(f), Some(input)) = (&mut tell, &mut stdin) {
+                if f() {
+                    let _ = input.write_all(b"done\n");
+                    let _ = input.flush();
+                    tell = None;
+                }
+            }
         }
-        timed_out
     });
     let out = child.wait_with_output().unwrap();
     let _ = done.send(());
