@@ -151,7 +151,14 @@ pub struct Trace {
     pub records: u64,
     /// Pages per tenant (highest page + 1), tenant ids 0..len.
     pub tenant_pages: Vec<u64>,
+    /// A one-tenant trace's accesses as `page << 1 | write`, decoded once by `parse` (which
+    /// reads every record anyway) when they take at most [`DECODED_MAX`] bytes, so that
+    /// replays need not decode them again.
+    decoded: Option<Vec<u64>>,
 }
+
+/// The most memory a trace's decoded accesses may take (8 bytes each).
+pub const DECODED_MAX: u64 = 2 << 30;
 
 impl Trace {
     /// Checks the header, the trailer and every record, so a replay never starts on a bad file.
@@ -185,9 +192,12 @@ impl Trace {
             records: count,
             tenant_pages: vec![],
             data: Vec::new(),
+            decoded: None,
         };
         let mut n = 0u64;
         let mut tenant_pages: Vec<u64> = vec![0];
+        let mut decoded =
+            (count.saturating_mul(8) <= DECODED_MAX).then(|| Vec::with_capacity(count as usize));
         {
             let mut it = Records::new(body);
             for r in &mut it {
@@ -203,6 +213,13 @@ impl Trace {
                 }
                 let tp = &mut tenant_pages[r.tenant as usize];
                 *tp = (*tp).max(r.page + 1);
+                if let Some(d) = &mut decoded {
+                    if r.tenant == 0 && n < count {
+                        d.push(r.page << 1 | r.write as u64);
+                    } else {
+                        decoded = None;
+                    }
+                }
                 n += 1;
             }
         }
@@ -211,7 +228,14 @@ impl Trace {
         }
         trace.tenant_pages = tenant_pages;
         trace.data = data;
+        trace.decoded = decoded;
         Ok(trace)
+    }
+
+    /// A one-tenant trace's accesses as `page << 1 | write`, if they were decoded (see
+    /// [`DECODED_MAX`]).
+    pub fn decoded(&self) -> Option<&[u64]> {
+        self.decoded.as_deref()
     }
 
     /// The records, in order.

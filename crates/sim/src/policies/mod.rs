@@ -13,6 +13,7 @@ use std::collections::BinaryHeap;
 mod arc;
 mod lfu;
 mod lists;
+mod lru;
 mod s3fifo;
 mod sieve;
 mod tide;
@@ -22,6 +23,7 @@ use lists::Residency;
 
 pub use arc::Arc;
 pub use lfu::Lfu;
+pub use lru::Lru;
 pub use s3fifo::S3Fifo;
 pub use sieve::Sieve;
 pub use tide::Tide;
@@ -89,91 +91,7 @@ const IN_DRAM: u8 = 1;
 const OUT: u8 = 2;
 const DIRTY: u8 = 4;
 
-/// LRU with an intrusive doubly linked list: 9 bytes per page. A page's two links share one
-/// 8-byte slot, so a hit touches three cache lines (its state, its links, its neighbours').
-pub struct Lru {
-    cap: u64,
-    len: u64,
-    /// `[towards the head, towards the tail]` per page.
-    link: Vec<[u32; 2]>,
-    res: Residency,
-    head: u32,
-    tail: u32,
-}
-
 const NIL: u32 = u32::MAX;
-const PREV: usize = 0;
-const NEXT: usize = 1;
-
-impl Lru {
-    pub fn new(pages: u64, cap: u64) -> Lru {
-        Lru {
-            cap: cap.max(1),
-            len: 0,
-            link: vec![[NIL, NIL]; pages as usize],
-            res: Residency::new(pages),
-            head: NIL,
-            tail: NIL,
-        }
-    }
-    fn unlink(&mut self, p: u32) {
-        let [a, b] = self.link[p as usize];
-        if a == NIL {
-            self.head = b;
-        } else {
-            self.link[a as usize][NEXT] = b;
-        }
-        if b == NIL {
-            self.tail = a;
-        } else {
-            self.link[b as usize][PREV] = a;
-        }
-    }
-    fn push_front(&mut self, p: u32) {
-        self.link[p as usize] = [NIL, self.head];
-        if self.head != NIL {
-            self.link[self.head as usize][PREV] = p;
-        }
-        self.head = p;
-        if self.tail == NIL {
-            self.tail = p;
-        }
-    }
-}
-
-impl Policy for Lru {
-    fn name(&self) -> &'static str {
-        "lru"
-    }
-    fn access_batch(&mut self, batch: &[u64], o: &mut Outcome) {
-        batch_with_lookahead!(self, batch, o, link)
-    }
-    fn state_bytes(&self) -> u64 {
-        self.link.len() as u64 * 8 + self.res.bytes()
-    }
-    fn access(&mut self, page: u64, write: bool, o: &mut Outcome) {
-        let p = page as u32;
-        if self.res.resident(p) {
-            if self.head != p {
-                self.unlink(p);
-                self.push_front(p);
-            }
-        } else {
-            if self.len == self.cap {
-                let v = self.tail;
-                self.unlink(v);
-                self.res.leave(v, o);
-                self.len -= 1;
-            }
-            self.push_front(p);
-            self.res.arrive(p, o);
-            self.len += 1;
-        }
-        if write {
-            self.res.write(p);
-        }
-    }
-}
 
 /// CLOCK (second chance), or with `counters` GCLOCK, LFU with aging: 5 bytes per page plus
 /// 5 bytes per DRAM frame.
