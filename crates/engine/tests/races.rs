@@ -234,3 +234,33 @@ fn a_fill_answered_with_eexist_for_a_missing_page_maps_it() {
     }
     e.audit().expect("books balance");
 }
+
+/// A thread that touches managed memory the program freed gets SIGSEGV, as natively (after a
+/// few retries: the engine first takes the fault for a stale message, see `STRAY_RETRIES`).
+#[test]
+fn touching_freed_memory_gets_sigsegv() {
+    const CHILD: &str = "MEMTIDE_TEST_STRAY_CHILD";
+    if is_child(CHILD) {
+        let (e, _dir) = engine("stray", 4 << 20);
+        let base = e.alloc(16 * PAGE, PAGE).unwrap();
+        for i in 0..16 {
+            // SAFETY: managed memory we own.
+            unsafe { ((base + i * PAGE) as *mut u64).write_volatile(i as u64 + 1) };
+        }
+        e.release(base, 16 * PAGE).unwrap();
+        eprintln!("released");
+        // SAFETY: none: this read of freed memory is meant to end the process with SIGSEGV.
+        let v = unsafe { ((base + 3 * PAGE) as *const u64).read_volatile() };
+        eprintln!("read {v} from freed memory");
+        return;
+    }
+    let out = in_child(
+        "touching_freed_memory_gets_sigsegv",
+        CHILD,
+        Duration::from_secs(60),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    use std::os::unix::process::ExitStatusExt;
+    assert!(err.contains("released"), "{err}");
+    assert_eq!(out.status.signal(), Some(libc::SIGSEGV), "{err}");
+}

@@ -8,8 +8,8 @@
 //! on another CPU would pay a cross-CPU wake-up (MEASUREMENTS.md, "Handler threads per CPU":
 //! 4.4 µs p50 against 63 µs). Entry point: [`Engine::start_handlers`].
 
-use std::cell::Cell;
 use std::io;
+use std::sync::Mutex;
 
 use memtide_policy::PAGE_SIZE;
 
@@ -21,6 +21,37 @@ use crate::uffd::PageFault;
 /// keeps touching memory it freed, and the signal sent to it changes nothing (it is blocked
 /// or handled and the access retried).
 const STRAY_LIMIT: u32 = 1000;
+
+/// Faults in a row by one thread at one address that holds no memory before that thread gets
+/// SIGSEGV. A fault message can be stale: a thread that faulted on a page is woken by whatever
+/// maps the page (a neighbour's zero-fill or read-ahead maps a run of pages and wakes every
+/// thread waiting on the run), goes on, and the page may be freed before a handler reads the
+/// message. Signalling then would kill the thread wherever it is now. So the thread is woken
+/// to retry instead: one that really touches freed memory faults again at once, a stale
+/// message does not repeat.
+const STRAY_RETRIES: u32 = 3;
+
+/// The latest stray faults per thread (a few threads at a time; a thread whose entry was
+/// taken by another just needs more retries). Fixed size: a handler thread must not allocate
+/// (a thread waiting on a fault may hold the allocator's lock).
+pub(super) struct Strays(Mutex<[(u32, usize, u32); 64]>);
+
+impl Strays {
+    pub(super) fn new() -> Strays {
+        Strays(Mutex::new([(0, 0, 0); 64]))
+    }
+
+    /// Counts a stray fault by thread `tid` at `addr`: how many in a row there.
+    fn count(&self, tid: u32, addr: usize) -> u32 {
+        let mut t = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let e = &mut t[tid as usize % 64];
+        if e.0 != tid || e.1 != addr {
+            *e = (tid, addr, 0);
+        }
+        e.2 = e.2.saturating_add(1);
+        e.2
+    }
+}
 
 impl Engine {
     /// Starts one handler thread per CPU this process may run on, each pinned to its CPU.
@@ -70,18 +101,15 @@ impl Engine {
     }
 
     /// A fault at managed address space that holds no memory: the program touched memory it
-    /// freed (natively: SIGSEGV, or EFAULT for a system call). It gets SIGSEGV; if it keeps
-    /// faulting there regardless, the engine stops it rather than spin.
+    /// freed (natively: SIGSEGV, or EFAULT for a system call), or the message is stale (see
+    /// [`STRAY_RETRIES`]). The thread is woken to retry; once it has faulted there
+    /// `STRAY_RETRIES` times in a row it gets SIGSEGV; if it keeps faulting there regardless,
+    /// the engine stops it rather than spin.
     fn stray(&self, f: &PageFault) {
-        thread_local! {
-            static STREAK: Cell<(usize, u32)> = const { Cell::new((usize::MAX, 0)) };
+        let n = self.strays.count(f.tid, f.address & !(PAGE_SIZE - 1));
+        if n < STRAY_RETRIES {
+            return;
         }
-        let n = STREAK.with(|c| {
-            let (last, n) = c.get();
-            let n = if last == f.address { n + 1 } else { 1 };
-            c.set((f.address, n));
-            n
-        });
         if n >= STRAY_LIMIT {
             fatal_with(
                 "the program keeps touching managed memory it freed",

@@ -203,6 +203,8 @@ pub struct Engine {
     /// `--record`: the pages brought into DRAM, as they come.
     recorder: Option<Recorder>,
     warnings: Mutex<Vec<String>>,
+    /// Faults at addresses that hold no memory, per thread (handler threads only).
+    strays: handlers::Strays,
     start_ns: u64,
     pid: u32,
 }
@@ -281,6 +283,7 @@ impl Engine {
             inject: Inject::default(),
             recorder,
             warnings: Mutex::new(Vec::new()),
+            strays: handlers::Strays::new(),
             start_ns,
             pid: std::process::id(),
             arena,
