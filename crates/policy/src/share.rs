@@ -109,16 +109,8 @@ fn targets(budget: u64, tenants: &[Demand], rules: &ShareRules) -> Vec<u64> {
             goal.min(d.max).saturating_sub(have)
         })
         .collect();
-    let total: u64 = wants.iter().sum();
-    if total > 0 && left > 0 {
-        for (i, &w) in wants.iter().enumerate() {
-            let g = if total <= left {
-                w
-            } else {
-                (w as u128 * left as u128 / total as u128) as u64
-            };
-            q[i] += g;
-        }
+    if wants.iter().any(|&w| w > 0) && left > 0 {
+        grant(&mut q, &wants, left);
         left = budget.saturating_sub(q.iter().sum());
     }
     // Then the spare DRAM, to tenants that hold more than their quota, in proportion to their
@@ -165,6 +157,19 @@ fn targets(budget: u64, tenants: &[Demand], rules: &ShareRules) -> Vec<u64> {
     q
 }
 
+/// Adds to each of `to` what it wants, or, when the wants do not all fit in `left`, its part
+/// of `left` in proportion to its want (rounded down).
+fn grant(to: &mut [u64], wants: &[u64], left: u64) {
+    let total: u64 = wants.iter().sum();
+    for (x, &w) in to.iter_mut().zip(wants) {
+        *x += if total <= left {
+            w
+        } else {
+            (w as u128 * left as u128 / total as u128) as u64
+        };
+    }
+}
+
 /// What the host knows of one tenant when it splits its tier capacity (all in pages).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TierDemand {
@@ -195,10 +200,9 @@ pub fn split_tier(capacity: u64, tenants: &[TierDemand]) -> Vec<u64> {
     if floor_sum >= capacity {
         // More lives in the tiers than the capacity (it was lowered, or tenants overran):
         // nobody grows; each keeps a part of the capacity in proportion to what it holds.
-        return floors
-            .iter()
-            .map(|&f| (f as u128 * capacity as u128 / floor_sum.max(1) as u128) as u64)
-            .collect();
+        let mut kept = vec![0; floors.len()];
+        grant(&mut kept, &floors, capacity);
+        return kept;
     }
     let mut share = floors;
     let mut left = capacity - floor_sum;
@@ -214,15 +218,7 @@ pub fn split_tier(capacity: u64, tenants: &[TierDemand]) -> Vec<u64> {
             }
         })
         .collect();
-    let total: u64 = wants.iter().sum();
-    for (s, &w) in share.iter_mut().zip(&wants) {
-        let g = if total <= left {
-            w
-        } else {
-            (w as u128 * left as u128 / total as u128) as u64
-        };
-        *s += g;
-    }
+    grant(&mut share, &wants, left);
     left = capacity.saturating_sub(share.iter().sum());
     // The rest in equal parts (the remainder of the division to the first).
     if let Some(each) = left.checked_div(tiered) {

@@ -48,7 +48,15 @@ impl SlotMap {
 
     /// Whether a slot can be allocated without growing the store.
     pub fn has_room(&self) -> bool {
-        self.in_use < self.limit && self.free_below(self.len.min(self.limit))
+        if self.in_use >= self.limit {
+            return false;
+        }
+        if self.len <= self.limit {
+            // Every slot in use lies below len.
+            return self.in_use < self.len;
+        }
+        // Lowered: slots in use above the limit do not count; look below it.
+        self.free_below(self.limit)
     }
 
     fn free_below(&self, end: u64) -> bool {

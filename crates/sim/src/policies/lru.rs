@@ -147,39 +147,9 @@ impl Policy for Lru {
 
 #[cfg(test)]
 mod tests {
+    use super::super::tests::naive_lru;
     use super::*;
     use proptest::prelude::*;
-
-    /// LRU the plain way (a vector in recency order), counting what an [`Outcome`] counts.
-    fn reference(trace: &[(u32, bool)], cap: usize) -> (u64, u64, u64, u64) {
-        let mut order: Vec<u32> = Vec::new();
-        let mut seen = std::collections::HashSet::new();
-        let mut dirty = std::collections::HashSet::new();
-        let (mut misses, mut first, mut demotions, mut writebacks) = (0, 0, 0, 0);
-        for &(p, w) in trace {
-            if let Some(i) = order.iter().position(|&x| x == p) {
-                order.remove(i);
-            } else {
-                if seen.insert(p) {
-                    first += 1;
-                } else {
-                    misses += 1;
-                }
-                if order.len() == cap {
-                    let v = order.pop().unwrap();
-                    demotions += 1;
-                    if dirty.remove(&v) {
-                        writebacks += 1;
-                    }
-                }
-            }
-            if w {
-                dirty.insert(p);
-            }
-            order.insert(0, p);
-        }
-        (misses, first, demotions, writebacks)
-    }
 
     proptest! {
         /// The same counts as the plain LRU, with compactions forced often (a queue of a few
@@ -208,7 +178,7 @@ mod tests {
             for &(p, w) in &trace {
                 lru.access(p as u64, w, &mut o);
             }
-            let want = reference(&trace, cap as usize);
+            let want = naive_lru(&trace, cap as usize);
             prop_assert_eq!((o.misses, o.first_touches, o.demotions, o.writebacks), want);
         }
     }

@@ -524,12 +524,14 @@ mod tests {
         o
     }
 
-    /// A naive LRU: a vector ordered by recency.
-    fn naive_lru(trace: &[(u32, bool)], cap: usize) -> (u64, u64) {
+    /// LRU the plain way (a vector in recency order): misses, first touches, demotions and
+    /// write-backs, as an [`Outcome`] counts them.
+    pub(super) fn naive_lru(trace: &[(u32, bool)], cap: usize) -> (u64, u64, u64, u64) {
         let mut order: Vec<u32> = Vec::new();
         let mut seen = std::collections::HashSet::new();
-        let (mut misses, mut first) = (0, 0);
-        for &(p, _) in trace {
+        let mut dirty = std::collections::HashSet::new();
+        let (mut misses, mut first, mut demotions, mut writebacks) = (0, 0, 0, 0);
+        for &(p, w) in trace {
             if let Some(i) = order.iter().position(|&x| x == p) {
                 order.remove(i);
             } else {
@@ -539,12 +541,19 @@ mod tests {
                     misses += 1;
                 }
                 if order.len() == cap {
-                    order.pop();
+                    let v = order.pop().unwrap();
+                    demotions += 1;
+                    if dirty.remove(&v) {
+                        writebacks += 1;
+                    }
                 }
+            }
+            if w {
+                dirty.insert(p);
             }
             order.insert(0, p);
         }
-        (misses, first)
+        (misses, first, demotions, writebacks)
     }
 
     fn trace_strategy() -> impl Strategy<Value = (Vec<(u32, bool)>, u64, u64)> {
@@ -569,7 +578,7 @@ mod tests {
         #[test]
         fn lru_matches_naive_reference((trace, pages, cap) in trace_strategy()) {
             let o = replay(&mut Lru::new(pages, cap), &trace);
-            let (misses, first) = naive_lru(&trace, cap as usize);
+            let (misses, first, _, _) = naive_lru(&trace, cap as usize);
             prop_assert_eq!(o.misses, misses);
             prop_assert_eq!(o.first_touches, first);
         }
