@@ -115,6 +115,11 @@ pub struct BenchArgs {
     /// memtide configuration twice, the SIGBUS one marked `sig`).
     #[arg(long, value_delimiter = ',', value_parser = opts::delivery, default_value = "threads")]
     pub faults: Vec<memtide_engine::Delivery>,
+    /// Which pages memtide's configurations evict: `clock` (the default), `placement`, or both
+    /// (`clock,placement`: every memtide configuration twice, the placement one marked
+    /// `placement`). See `memtide run --policy`.
+    #[arg(long, value_delimiter = ',', value_parser = opts::eviction_policy, default_value = "clock")]
+    pub policy: Vec<memtide_engine::EvictionPolicy>,
     /// Directory for memtide's tier file and Linux's swap file (the same device for both).
     #[arg(long, default_value = "/var/tmp")]
     pub tier: PathBuf,
@@ -694,22 +699,28 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
         vec![("all-DRAM".into(), 1.0, Placement::Dram, false)];
     for (i, &b) in budgets.iter().enumerate() {
         let pct = a.budgets[i];
-        for &faults in &a.faults {
-            let name = match faults {
-                memtide_engine::Delivery::Threads => format!("memtide {pct:.0}%"),
-                memtide_engine::Delivery::Signal => format!("memtide {pct:.0}% sig"),
-            };
-            configs.push((
-                name,
-                pct / 100.0,
-                Placement::Memtide {
-                    dram: b,
-                    tier: &a.tier,
-                    preload: &preload,
-                    faults,
-                },
-                false,
-            ));
+        for &policy in &a.policy {
+            for &faults in &a.faults {
+                let mut name = format!("memtide {pct:.0}%");
+                if faults == memtide_engine::Delivery::Signal {
+                    name.push_str(" sig");
+                }
+                if policy == memtide_engine::EvictionPolicy::Placement {
+                    name.push_str(" placement");
+                }
+                configs.push((
+                    name,
+                    pct / 100.0,
+                    Placement::Memtide {
+                        dram: b,
+                        tier: &a.tier,
+                        preload: &preload,
+                        faults,
+                        policy,
+                    },
+                    false,
+                ));
+            }
         }
         if let Some(procs) = cgroups.get(i) {
             configs.push((

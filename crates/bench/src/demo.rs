@@ -57,6 +57,7 @@ pub enum Placement<'a> {
         tier: &'a Path,
         preload: &'a Path,
         faults: memtide_engine::Delivery,
+        policy: memtide_engine::EvictionPolicy,
     },
     /// In a memory cgroup limited to `limit` (Linux swap does the tiering): the pid is written
     /// to `procs` before the workload starts.
@@ -73,6 +74,7 @@ impl Placement<'_> {
                 tier,
                 preload,
                 faults,
+                policy,
             } => TierEnv {
                 preload,
                 dram: *dram,
@@ -83,6 +85,7 @@ impl Placement<'_> {
                 stats_dir,
                 stats_interval_ms: 500,
                 faults: *faults,
+                policy: *policy,
                 encrypt_tier: false,
                 record: false,
             }
@@ -250,6 +253,7 @@ pub fn demo(a: DemoArgs) -> Result<ExitCode> {
             tier: &a.tier,
             preload: &preload,
             faults: memtide_engine::Delivery::Threads,
+            policy: memtide_engine::EvictionPolicy::default(),
         },
     )?;
     eprintln!("memtide: {:.0} k accesses/s", mt.result.throughput / 1e3);

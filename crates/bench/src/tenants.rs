@@ -93,6 +93,7 @@ fn run_together(
                 tier: host.tier,
                 preload: host.preload,
                 faults: memtide_engine::Delivery::Threads,
+                policy: memtide_engine::EvictionPolicy::default(),
             },
             (Family::Swap, Some(_), Some(p)) => Placement::Cgroup { procs: p },
             _ => Placement::Dram,

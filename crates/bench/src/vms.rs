@@ -320,6 +320,7 @@ fn run_guests(
                             tier: host.tier,
                             preload: host.preload,
                             faults: memtide_engine::Delivery::Threads,
+                            policy: memtide_engine::EvictionPolicy::default(),
                         },
                         (Family::Swap, Some(p)) => Placement::Cgroup { procs: p },
                         _ => Placement::Dram,

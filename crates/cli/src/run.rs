@@ -54,6 +54,12 @@ pub struct RunArgs {
     /// works".
     #[arg(long, value_parser = opts::delivery, default_value = "threads")]
     pub faults: memtide_engine::Delivery,
+    /// Which pages leave DRAM: `clock` (a CLOCK sweep over pages idle for the most epochs;
+    /// the default) or `placement` (new pages on probation in a small FIFO queue, pages used
+    /// again in a SIEVE queue, as `memtide sim --policy memtide` replays it; misses less on
+    /// skewed workloads and keeps a hot set through a scan, at the cost of more hint faults).
+    #[arg(long, value_parser = opts::eviction_policy, default_value = "clock")]
+    pub policy: memtide_engine::EvictionPolicy,
     /// Make the program a tenant of the host daemon (`memtide host`) at this socket (default
     /// /run/memtide/host.sock, or MEMTIDE_HOST_SOCKET): its DRAM quota then follows the host's
     /// split, at least --dram. If the daemon goes away, the program keeps its last quota and
@@ -385,6 +391,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
             stats_dir: &stats_dir.0,
             stats_interval_ms: interval_ms,
             faults: a.faults,
+            policy: a.policy,
             encrypt_tier,
             record: a.record.is_some(),
         }

@@ -12,6 +12,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicI32, Ordering};
 
 use crate::uffd::Delivery;
+use crate::EvictionPolicy;
 
 /// The settings the preload library reads, as environment variables.
 pub struct TierEnv<'a> {
@@ -25,6 +26,8 @@ pub struct TierEnv<'a> {
     pub stats_dir: &'a Path,
     pub stats_interval_ms: u64,
     pub faults: Delivery,
+    /// Which pages leave DRAM (`MEMTIDE_POLICY`).
+    pub policy: EvictionPolicy,
     pub encrypt_tier: bool,
     /// Record the pages each process brings into DRAM to `record-<pid>.raw` in the stats
     /// directory.
@@ -63,6 +66,7 @@ impl TierEnv<'_> {
         if let Some(t) = self.tier_max {
             cmd.env("MEMTIDE_TIER_MAX", t.to_string());
         }
+        cmd.env("MEMTIDE_POLICY", self.policy.name());
         if self.encrypt_tier {
             cmd.env("MEMTIDE_ENCRYPT_TIER", "1");
         }

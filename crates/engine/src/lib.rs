@@ -16,7 +16,8 @@ pub mod tier;
 pub mod uffd;
 
 pub use engine::{
-    process_rss_bytes, Config, Engine, Event, MemError, PageInfo, Pinned, StartError,
+    process_rss_bytes, Config, Engine, Event, EvictionPolicy, MemError, PageInfo, Pinned,
+    StartError,
 };
 pub use signal::Fault;
 pub use stats::Snapshot;

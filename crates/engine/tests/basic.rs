@@ -3,6 +3,8 @@
 
 use memtide_engine::{Config, Engine};
 
+mod common;
+
 fn tmpdir() -> std::path::PathBuf {
     let d = std::env::temp_dir().join(format!("memtide-test-{}", std::process::id()));
     std::fs::create_dir_all(&d).unwrap();
@@ -11,6 +13,7 @@ fn tmpdir() -> std::path::PathBuf {
 
 fn engine(dram_mib: u64) -> &'static Engine {
     let mut cfg = Config::new(dram_mib << 20, tmpdir());
+    cfg.policy = common::policy();
     cfg.arena_bytes = 16 << 30;
     cfg.epoch_ms = 50;
     Engine::start(&cfg).expect("engine starts (needs userfaultfd: run as root)")

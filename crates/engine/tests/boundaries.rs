@@ -5,6 +5,8 @@
 
 use memtide_engine::{Config, Engine};
 
+mod common;
+
 fn resident_pages(addr: usize, pages: usize) -> Vec<bool> {
     let mut v = vec![0u8; pages];
     // SAFETY: mincore writes one byte per page of the range into `v`, which has that many.
@@ -18,6 +20,7 @@ fn zero_fill_stays_inside_its_allocation() {
     let dir = std::env::temp_dir().join(format!("memtide-bounds-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let mut cfg = Config::new(64 << 20, &dir);
+    cfg.policy = common::policy();
     cfg.arena_bytes = 1 << 30;
     let e = Engine::start(&cfg).expect("engine starts (needs userfaultfd: run as root)");
     let a = e.alloc(2 * 4096, 4096).unwrap();

@@ -13,6 +13,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use memtide_engine::{Config, Engine};
 
+mod common;
+
 const PAGE: usize = 4096;
 const QUOTA: u64 = 8 << 20;
 const PAGES: usize = 4 * (QUOTA as usize) / PAGE;
@@ -27,6 +29,7 @@ fn engine(name: &str) -> (&'static Engine, std::path::PathBuf) {
     let dir = std::env::temp_dir().join(format!("memtide-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let mut cfg = Config::new(QUOTA, &dir);
+    cfg.policy = common::policy();
     cfg.arena_bytes = 1 << 30;
     cfg.epoch_ms = 50;
     let e = Engine::start(&cfg).expect("engine starts (needs userfaultfd: run as root)");

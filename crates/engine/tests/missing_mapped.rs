@@ -6,6 +6,8 @@ use std::process::Command;
 
 use memtide_engine::{Config, Engine};
 
+mod common;
+
 const CHILD: &str = "MEMTIDE_TEST_MISSING_MAPPED_CHILD";
 
 /// Runs in a child process: maps a page, zaps it with a raw madvise the engine does not see,
@@ -14,6 +16,7 @@ fn child() {
     let dir = std::env::temp_dir().join(format!("memtide-missing-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let mut cfg = Config::new(16 << 20, &dir);
+    cfg.policy = common::policy();
     cfg.arena_bytes = 64 << 20;
     let e = Engine::start(&cfg).expect("engine starts (needs userfaultfd: run as root)");
     let a = e.alloc(4096, 4096).unwrap();

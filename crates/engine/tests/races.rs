@@ -37,7 +37,12 @@ fn a_free_across_a_write_back_batch_where_the_sweep_wrapped_does_not_deadlock() 
 
 fn free_across_the_wrap() {
     const PAGES: usize = 4096;
-    let (e, _dir) = engine("wrap", 4 << 20);
+    // The CLOCK sweep's write-back, which takes the ring's oldest pages in order (placement
+    // names the pages it evicts, and has no wrap).
+    let dir = common::scratch("wrap");
+    let mut cfg = common::config(&dir, 4 << 20);
+    cfg.policy = memtide_engine::EvictionPolicy::Clock;
+    let e = common::start(&cfg);
     let base = e.alloc(PAGES * PAGE, PAGE).unwrap();
     for i in 0..PAGES {
         // SAFETY: managed memory we own; nothing else touches it yet.

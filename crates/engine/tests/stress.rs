@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::RwLock;
 use std::time::{Duration, Instant};
 
-use memtide_engine::{Config, Engine};
+use memtide_engine::{Config, Engine, EvictionPolicy};
 
 const PAGE: usize = 4096;
 const QUOTA: u64 = 16 << 20;
@@ -322,12 +322,33 @@ fn duration() -> Duration {
     Duration::from_secs_f64(secs)
 }
 
+/// The eviction policy to stress: `--policy clock|placement`; without it, both: the CLOCK
+/// sweep here, then placement in a child process (an engine lives as long as its process).
+fn policy() -> Option<EvictionPolicy> {
+    let args: Vec<String> = std::env::args().collect();
+    let i = args.iter().position(|a| a == "--policy")?;
+    let name = args.get(i + 1).expect("--policy needs a name");
+    Some(EvictionPolicy::from_name(name).expect("--policy clock or placement"))
+}
+
 fn main() {
     if std::env::args().any(|a| a == "--list") {
         println!("stress_eviction_racing_with_access: test");
         return;
     }
-    stress_eviction_racing_with_access(duration());
+    let run_for = duration();
+    match policy() {
+        Some(p) => stress_eviction_racing_with_access(run_for, p),
+        None => {
+            stress_eviction_racing_with_access(run_for, EvictionPolicy::Clock);
+            let status = std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--policy", "placement", "--seconds"])
+                .arg(run_for.as_secs_f64().to_string())
+                .status()
+                .expect("run the placement stress test");
+            assert!(status.success(), "placement stress test: {status}");
+        }
+    }
     // The line cargo's test harness prints, for the suite's totals.
     println!("test result: ok. 1 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out");
 }
@@ -352,12 +373,13 @@ fn counts(world: &World, snap: &memtide_engine::Snapshot) -> String {
     )
 }
 
-fn stress_eviction_racing_with_access(run_for: Duration) {
+fn stress_eviction_racing_with_access(run_for: Duration, policy: EvictionPolicy) {
     let dir = std::env::temp_dir().join(format!("memtide-stress-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let mut cfg = Config::new(QUOTA, &dir);
     cfg.arena_bytes = 8 << 30;
     cfg.epoch_ms = 50;
+    cfg.policy = policy;
     let engine = Engine::start(&cfg).expect("engine starts (needs userfaultfd: run as root)");
     let blocks = (0..BLOCKS)
         .map(|b| Block {
@@ -377,8 +399,9 @@ fn stress_eviction_racing_with_access(run_for: Duration) {
         stop: AtomicBool::new(false),
     };
     eprintln!(
-        "stress test (not a benchmark): {:.0} s, 4 threads, footprint 8x the quota, accessed bits cleared all along",
-        run_for.as_secs_f64()
+        "stress test (not a benchmark): {:.0} s, eviction policy {}, 4 threads, footprint 8x the quota, accessed bits cleared all along",
+        run_for.as_secs_f64(),
+        policy.name()
     );
     let start = Instant::now();
     let mut report = Instant::now();

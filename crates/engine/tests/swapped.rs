@@ -12,6 +12,8 @@ use std::process::Command;
 
 use memtide_engine::{Config, Engine};
 
+mod common;
+
 const PAGE: usize = 4096;
 
 /// A swap file switched on for the test's lifetime.
@@ -106,6 +108,7 @@ fn pages_linux_swaps_out_are_neither_lost_nor_fatal() {
 
     let pages = 4096; // 16 MiB through a 4 MiB budget
     let mut cfg = Config::new(4 << 20, &dir);
+    cfg.policy = common::policy();
     cfg.arena_bytes = 1 << 30;
     let e = Engine::start(&cfg).expect("engine starts (needs userfaultfd: run as root)");
     let base = e.alloc(pages * PAGE, PAGE).unwrap();

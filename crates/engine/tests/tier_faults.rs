@@ -291,6 +291,7 @@ fn a_tier_filesystem_that_fills_up_mid_run_keeps_data_in_dram_and_resumes_when_f
     // 24 MiB of filesystem (about 20 usable), 4 MiB of DRAM, 48 MiB of data.
     let fs = SmallFs::new("tierfs", 24);
     let mut cfg = memtide_engine::Config::new(4 << 20, &fs.mount);
+    cfg.policy = common::policy();
     cfg.arena_bytes = 1 << 30;
     cfg.epoch_ms = 50;
     let e = start(&cfg);

@@ -28,7 +28,8 @@
 //! Ghosts are stamps in a byte per page (the generation of S evictions, modulo 256), recent
 //! for about as many S evictions as M holds pages (S3-FIFO's ghost queue size); no allocation
 //! per page. The simulator drives this structure through [`Pages`] (policy `memtide`); the
-//! engine does not run it yet.
+//! engine runs it with `--policy placement` (its default is still the CLOCK sweep,
+//! [`crate::Clock`]).
 
 use std::collections::VecDeque;
 
@@ -133,10 +134,8 @@ impl Placement {
     /// Placement for `pages` pages and a quota of `quota` pages. The per-page arrays start
     /// zeroed (untouched memory costs nothing until used).
     pub fn new(pages: usize, quota: u64) -> Placement {
-        let quota = quota.max(1);
-        let small_target = (quota / 10).max(1);
-        Placement {
-            small_target,
+        let mut p = Placement {
+            small_target: 1,
             small: VecDeque::new(),
             arrivals: VecDeque::new(),
             newer: vec![NIL; pages],
@@ -149,11 +148,11 @@ impl Placement {
             flags: vec![0; pages],
             stamp: vec![0; pages],
             small_evictions: 0,
-            generation_len: (quota - small_target)
-                .div_ceil(GHOST_GENERATIONS as u64)
-                .max(1),
+            generation_len: 1,
             stage_limit: u64::MAX,
-        }
+        };
+        p.set_quota(quota);
+        p
     }
 
     /// Caps the pages one call of [`evict`](Self::evict) stages in M (the hand resumes where
@@ -161,6 +160,16 @@ impl Placement {
     /// that must first stage all of M would hold DRAM-starved threads for all of them.
     pub fn set_stage_limit(&mut self, pages: u64) {
         self.stage_limit = pages.max(1);
+    }
+
+    /// A new quota (a host daemon's share changes at run time): S's share and the ghosts'
+    /// reach follow it; pages already placed stay where they are.
+    pub fn set_quota(&mut self, quota: u64) {
+        let quota = quota.max(1);
+        self.small_target = (quota / 10).max(1);
+        self.generation_len = (quota - self.small_target)
+            .div_ceil(GHOST_GENERATIONS as u64)
+            .max(1);
     }
 
     /// Pages in S and in M.

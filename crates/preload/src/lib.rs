@@ -16,7 +16,7 @@ use std::alloc::{GlobalAlloc, Layout};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, AtomicUsize, Ordering};
 
-use memtide_engine::{launch, size, Config, Delivery, Engine};
+use memtide_engine::{launch, size, Config, Delivery, Engine, EvictionPolicy};
 
 extern "C" {
     pub(crate) fn __libc_malloc(size: usize) -> *mut libc::c_void;
@@ -91,6 +91,7 @@ struct Settings {
     stats_dir: Option<PathBuf>,
     stats_interval_ms: u64,
     faults: Delivery,
+    policy: EvictionPolicy,
     encrypt_tier: bool,
     record: bool,
 }
@@ -146,6 +147,7 @@ fn engine_or_start() -> Option<&'static Engine> {
     cfg.tier_max_bytes = s.tier_max;
     cfg.arena_bytes = s.arena;
     cfg.faults = s.faults;
+    cfg.policy = s.policy;
     cfg.encrypt_tier = s.encrypt_tier;
     if s.record {
         cfg.record = s.stats_dir.as_ref().map(|d| {
@@ -208,6 +210,13 @@ fn load_settings() {
         }
     };
     SIGNAL_FAULTS.store(faults == Delivery::Signal, Ordering::Release);
+    let policy = match std::env::var("MEMTIDE_POLICY") {
+        Err(_) => EvictionPolicy::default(),
+        Ok(name) => EvictionPolicy::from_name(&name).unwrap_or_else(|| {
+            eprintln!("memtide: MEMTIDE_POLICY={name}: expected clock or placement; using clock");
+            EvictionPolicy::default()
+        }),
+    };
     let settings = Box::new(Settings {
         dram,
         tier: PathBuf::from(tier),
@@ -220,6 +229,7 @@ fn load_settings() {
             .and_then(|v| v.parse().ok())
             .unwrap_or(1000),
         faults,
+        policy,
         encrypt_tier: std::env::var("MEMTIDE_ENCRYPT_TIER").is_ok_and(|v| v == "1"),
         record: std::env::var("MEMTIDE_RECORD").is_ok_and(|v| v == "1"),
     });

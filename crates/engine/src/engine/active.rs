@@ -165,7 +165,7 @@ impl Engine {
     /// written (a sample's untouched pages, or the inactive list of a program now within its
     /// quota) go back to their addresses, oldest first, until `want` slots are free. Stops at a
     /// page someone else is moving.
-    fn retire_staged(&self, want: u64) {
+    pub(super) fn retire_staged(&self, want: u64) {
         let tail0 = self.ring.tail();
         let head = self.ring.head();
         let mut pos = tail0;

@@ -12,8 +12,9 @@ use memtide_policy::{
 
 use super::active::{self, ActiveSampler};
 use super::fatal::fatal;
+use super::place::Placer;
 use super::ring::{RING_DEAD, RING_EMPTY};
-use super::Engine;
+use super::{Engine, EvictionPolicy};
 use crate::pages::{State, NONE};
 use crate::stats::Counters;
 use crate::sys;
@@ -28,6 +29,8 @@ impl Engine {
         let mut populated = 0u64;
         let mut writing: Vec<(usize, u32)> = Vec::with_capacity(Watermarks::MAX_BATCH as usize);
         let mut warned_underreport = false;
+        let mut placer = (self.policy == EvictionPolicy::Placement)
+            .then(|| Placer::new(self.pt.pages(), self.quota.wm().quota));
         loop {
             if self.pause.load(Ordering::Acquire) {
                 self.parked.store(true, Ordering::Release);
@@ -62,13 +65,16 @@ impl Engine {
                 self.tier_full.store(false, Ordering::Release);
             }
             if !self.detached.load(Ordering::Acquire) && self.tier_usable() {
-                let mut relief = Pressure {
-                    engine: self,
-                    sweep: &mut sweep,
-                    victims: &mut victims,
-                    writing: &mut writing,
+                let relieved = match placer.as_mut() {
+                    Some(pl) => self.place_relieve(pl, &mut writing, new_epoch),
+                    None => self.quota.wm().relieve(&mut Pressure {
+                        engine: self,
+                        sweep: &mut sweep,
+                        victims: &mut victims,
+                        writing: &mut writing,
+                    }),
                 };
-                match self.quota.wm().relieve(&mut relief) {
+                match relieved {
                     Relief::Calm => self.quota.set_overcommit(false),
                     Relief::Stuck => {
                         // Nothing evictable right now (everything pinned, in flight, or tiny):
@@ -366,6 +372,27 @@ impl Engine {
                 break;
             }
         }
+        let out = self.retire(writing);
+        // Release the DRAM of every processed slot at once (one TLB shootdown per batch).
+        self.ring.zap(tail0, end);
+        self.ring.set_tail(end);
+        let released = out.left + dead;
+        self.ring
+            .staged
+            .fetch_sub(released + out.failed.len() as u64, Ordering::AcqRel);
+        self.quota.unreserve(released);
+        Counters::add(&self.counters.demotions, out.left);
+        Counters::add(&self.counters.demotions_clean, out.clean);
+        Counters::add(&self.counters.demotions_zero, out.zero);
+        // Pages that went back count as progress only if something else did.
+        released
+    }
+
+    /// Takes the pages `writing` (each `Writing`, ours, at its staging slot) out of DRAM: zero
+    /// pages are dropped, clean ones (equal to their tier copy) released, dirty ones written
+    /// to tier 1 first; each is published `Evicted` (zero pages `Unpopulated`). Pages tier 1
+    /// would not take go back to the program, `Mapped`. The caller releases the slots.
+    pub(super) fn retire(&self, writing: &[(usize, u32)]) -> Retired {
         // Classify: zero pages and clean pages need no write.
         let mut dirty: Vec<(usize, u32, u64)> = Vec::with_capacity(writing.len());
         let mut zero = 0u64;
@@ -425,19 +452,12 @@ impl Engine {
             self.pt.publish(p, to, None);
             left += 1;
         }
-        // Release the DRAM of every processed slot at once (one TLB shootdown per batch).
-        self.ring.zap(tail0, end);
-        self.ring.set_tail(end);
-        let released = left + dead;
-        self.ring
-            .staged
-            .fetch_sub(released + failed.len() as u64, Ordering::AcqRel);
-        self.quota.unreserve(released);
-        Counters::add(&self.counters.demotions, left);
-        Counters::add(&self.counters.demotions_clean, clean);
-        Counters::add(&self.counters.demotions_zero, zero);
-        // Pages that went back count as progress only if something else did.
-        released
+        Retired {
+            left,
+            clean,
+            zero,
+            failed,
+        }
     }
 
     /// Writes dirty pages to runs of consecutive tier slots, all runs at once. Pages that could
@@ -532,6 +552,17 @@ impl Engine {
         failed.extend(rest.iter().map(|&(p, s, _)| (p, s)));
         self.quota.wake_waiters();
     }
+}
+
+/// What [`Engine::retire`] did with a batch.
+pub(super) struct Retired {
+    /// Pages that left DRAM.
+    pub(super) left: u64,
+    /// Of those, pages equal to their tier copy (no write) and all-zero pages (dropped).
+    pub(super) clean: u64,
+    pub(super) zero: u64,
+    /// Pages tier 1 would not take, mapped again, with their slots.
+    pub(super) failed: Vec<(usize, u32)>,
 }
 
 /// The page table as the policy's sweep sees it: mapped, unpinned pages the program has not

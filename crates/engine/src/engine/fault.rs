@@ -239,6 +239,7 @@ impl Engine {
         for i in lo..hi {
             self.note(i, Event::FirstTouch);
             self.pt.publish(i, State::Mapped, Some(Activeness::TOUCHED));
+            self.arrived(i);
         }
         Counters::add(&self.counters.faults_zero, n as u64);
         true
@@ -523,6 +524,9 @@ impl Engine {
         }
         self.sequential.ended_at(p + n - 1);
         self.note(p, Event::TierFault);
+        for q in p..p + n {
+            self.arrived(q);
+        }
         Counters::bump(&self.counters.faults_tier);
         Counters::add(&self.counters.promotions, n as u64);
         Counters::add(&self.counters.readahead_pages, n as u64 - 1);

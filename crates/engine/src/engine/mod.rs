@@ -37,6 +37,7 @@ mod evict;
 mod fatal;
 mod fault;
 mod handlers;
+mod place;
 mod quota;
 mod record;
 mod region;
@@ -61,6 +62,7 @@ use crate::tier::{self, Backend, Encrypted, Faulty, FileTier, SlotMap, TierFault
 use crate::uffd::{Delivery, MoveReport, OpenError, Uffd};
 
 use fault::{BouncePool, SequentialRun};
+use place::Arrivals;
 use quota::{Doorbell, Quota};
 pub use record::Event;
 use record::Recorder;
@@ -92,6 +94,8 @@ pub struct Config {
     pub record: Option<PathBuf>,
     /// Encrypt pages before they leave DRAM (AES-256-GCM, a key that lives only in memory).
     pub encrypt_tier: bool,
+    /// Which pages leave DRAM: the CLOCK sweep (the default) or the placement queues.
+    pub policy: EvictionPolicy,
     /// For tests: device faults to inject in front of the tier file.
     #[doc(hidden)]
     pub tier_faults: Option<Arc<TierFaults>>,
@@ -109,8 +113,41 @@ impl Config {
             epoch_ms: 200,
             faults: Delivery::Threads,
             encrypt_tier: false,
+            policy: EvictionPolicy::Clock,
             record: None,
             tier_faults: None,
+        }
+    }
+}
+
+/// Which pages the evictor takes out of DRAM.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum EvictionPolicy {
+    /// The CLOCK sweep over the page table ([`memtide_policy::Clock`]): pages idle for the
+    /// most epochs go to the inactive list (the staging ring) in address order, its oldest
+    /// pages to tier 1.
+    #[default]
+    Clock,
+    /// The placement queues ([`memtide_policy::Placement`], the simulator's `memtide`): new
+    /// pages on probation in a small FIFO queue, pages used again in a SIEVE queue, a staged
+    /// page's hint fault as its reference bit (`place.rs`).
+    Placement,
+}
+
+impl EvictionPolicy {
+    /// The name `--policy` and `MEMTIDE_POLICY` use.
+    pub fn name(self) -> &'static str {
+        match self {
+            EvictionPolicy::Clock => "clock",
+            EvictionPolicy::Placement => "placement",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<EvictionPolicy> {
+        match name {
+            "clock" => Some(EvictionPolicy::Clock),
+            "placement" => Some(EvictionPolicy::Placement),
+            _ => None,
         }
     }
 }
@@ -202,6 +239,10 @@ pub struct Engine {
     inject: Inject,
     /// `--record`: the pages brought into DRAM, as they come.
     recorder: Option<Recorder>,
+    /// Which pages leave DRAM.
+    policy: EvictionPolicy,
+    /// Under placement: the pages brought into DRAM, for the evictor to place.
+    arrivals: Option<Arrivals>,
     warnings: Mutex<Vec<String>>,
     /// Faults at addresses that hold no memory, per thread (handler threads only).
     strays: handlers::Strays,
@@ -237,8 +278,21 @@ impl Engine {
         // space only, so size it for a quota of up to 4x the first one, at least 16 GiB, plus
         // room for the active-memory sample. A larger quota works with a smaller inactive list.
         let wm_max = Watermarks::for_quota(quota_pages.saturating_mul(4).max(16 << 18));
-        let ring = StagingRing::new(wm_max.inactive_target + 4 * wm_max.batch + active::SAMPLE)
-            .map_err(io_err("reserve the staging area"))?;
+        // Placement keeps pages staged for a whole pass of its hand, most of DRAM at times:
+        // room for four times the first quota. (Every slot the head passes keeps its page
+        // tables, which whoever walks them — an audit, clear_refs — pays for; a quota grown
+        // beyond that is served with pages put back from the ring's tail early.)
+        let placed = match cfg.policy {
+            EvictionPolicy::Clock => 0,
+            EvictionPolicy::Placement => quota_pages.saturating_mul(4),
+        };
+        let ring =
+            StagingRing::new(placed + wm_max.inactive_target + 4 * wm_max.batch + active::SAMPLE)
+                .map_err(io_err("reserve the staging area"))?;
+        let arrivals = (cfg.policy == EvictionPolicy::Placement)
+            .then(Arrivals::new)
+            .transpose()
+            .map_err(io_err("map the arrivals queue"))?;
         for m in [&arena, ring.area()] {
             prepare(&uffd, m.addr(), m.len())
                 .map_err(io_err("register the arena with userfaultfd"))?;
@@ -282,6 +336,8 @@ impl Engine {
             counters: Counters::default(),
             inject: Inject::default(),
             recorder,
+            policy: cfg.policy,
+            arrivals,
             warnings: Mutex::new(Vec::new()),
             strays: handlers::Strays::new(),
             start_ns,

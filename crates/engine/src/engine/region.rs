@@ -12,8 +12,8 @@ use std::sync::atomic::Ordering;
 use memtide_policy::{Activeness, PAGE_SIZE};
 
 use super::fatal::fatal;
-use super::ring::RING_DEAD;
-use super::{prepare, Engine, MemError};
+use super::ring::{RING_DEAD, RING_EMPTY};
+use super::{prepare, Engine, EvictionPolicy, MemError};
 use crate::pages::{State, NONE};
 use crate::stats::Counters;
 use crate::sys;
@@ -85,6 +85,24 @@ impl Engine {
             for &(i, st) in taken {
                 match st {
                     State::Mapped => mapped += 1,
+                    State::Staged if self.policy == EvictionPolicy::Placement => {
+                        // Placement keeps pages staged long and takes them out of order: the
+                        // ring's tail may not pass this slot for a long time, so its DRAM is
+                        // given back now. The slot is emptied after it is zapped: only then
+                        // may the evictor stage into it again.
+                        let s = self.pt.stage(i);
+                        // SAFETY: the page is ours (claimed) and the program asked for its
+                        // contents to go; the slot holds nothing else.
+                        unsafe {
+                            let _ = sys::discard(self.ring.addr(s), PAGE_SIZE);
+                        }
+                        self.ring
+                            .entry(s as u64)
+                            .store(RING_EMPTY, Ordering::Release);
+                        self.pt.set_stage(i, NONE);
+                        self.ring.staged.fetch_sub(1, Ordering::AcqRel);
+                        mapped += 1;
+                    }
                     State::Staged => {
                         // The staging slot keeps holding DRAM until the evictor's tail passes
                         // it; it counts that page then.
@@ -581,6 +599,9 @@ impl Engine {
             }
             self.pt.publish(j, st, Some(h));
             self.pt.publish(i, State::Unpopulated, Some(Activeness(0)));
+            if matches!(st, State::Mapped | State::Staged) {
+                self.arrived(j);
+            }
         }
         sys::restore_signals(&mask);
     }

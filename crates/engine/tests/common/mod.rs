@@ -33,7 +33,17 @@ pub fn config(dir: &Scratch, quota: u64) -> Config {
     let mut cfg = Config::new(quota, &dir.0);
     cfg.arena_bytes = 1 << 30;
     cfg.epoch_ms = 50;
+    cfg.policy = policy();
     cfg
+}
+
+/// The eviction policy the tests run: `MEMTIDE_TEST_POLICY` (clock or placement), else the
+/// engine's default.
+pub fn policy() -> memtide_engine::EvictionPolicy {
+    std::env::var("MEMTIDE_TEST_POLICY")
+        .ok()
+        .map(|n| memtide_engine::EvictionPolicy::from_name(&n).expect("clock or placement"))
+        .unwrap_or_default()
 }
 
 /// An engine with `quota` bytes of DRAM (see [`config`]).
