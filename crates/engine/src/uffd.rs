@@ -123,6 +123,7 @@ const UFFDIO_UNREGISTER: u64 = ior(0x01, std::mem::size_of::<UffdioRange>());
 const UFFDIO_WAKE: u64 = ior(0x02, std::mem::size_of::<UffdioRange>());
 const UFFDIO_COPY: u64 = iowr(0x03, std::mem::size_of::<UffdioCopy>());
 const UFFDIO_MOVE: u64 = iowr(0x05, std::mem::size_of::<UffdioMove>());
+const UFFDIO_MOVE_MODE_DONTWAKE: u64 = 1 << 0;
 /// `_IO(0xAA, 0)` on /dev/userfaultfd.
 const USERFAULTFD_IOC_NEW: u64 = UFFDIO << 8;
 
@@ -400,6 +401,36 @@ impl Uffd {
     /// Both ranges must lie in ranges registered with this userfaultfd and belong to the caller;
     /// `dst` must be missing.
     pub unsafe fn move_pages(&self, dst: usize, src: usize, len: usize) -> Result<(), Partial> {
+        // An injected under-report wakes only what it reports, as the kernel does.
+        let injecting = self.underreport_every.load(Ordering::Relaxed) != 0;
+        // SAFETY: the caller's contract.
+        let result = unsafe { self.move_pages_mode(dst, src, len, injecting) };
+        if injecting {
+            let done = match &result {
+                Ok(()) => len,
+                Err(p) => p.done,
+            };
+            if done > 0 {
+                self.wake(dst, done)
+                    .map_err(|error| Partial { done, error })?;
+            }
+        }
+        result
+    }
+
+    /// [`move_pages`](Self::move_pages); the kernel wakes the destination's waiters unless
+    /// `dontwake`.
+    ///
+    /// # Safety
+    ///
+    /// As [`move_pages`](Self::move_pages).
+    unsafe fn move_pages_mode(
+        &self,
+        dst: usize,
+        src: usize,
+        len: usize,
+        dontwake: bool,
+    ) -> Result<(), Partial> {
         let mut done = 0;
         while done < len {
             let mut m = UffdioMove {
@@ -408,7 +439,11 @@ impl Uffd {
                 len: (len - done) as u64,
                 // Wakes threads waiting on faults in the destination (a page moved back for
                 // a fault queued to a handler thread); moves into staging have none.
-                mode: 0,
+                mode: if dontwake {
+                    UFFDIO_MOVE_MODE_DONTWAKE
+                } else {
+                    0
+                },
                 moved: 0,
             };
             // SAFETY: UFFDIO_MOVE reads and writes a UffdioMove; the ranges are the caller's.
@@ -456,7 +491,9 @@ impl Uffd {
     /// moved; after a failure, which pages moved is read from the page tables (a page moved
     /// when its source is empty and its destination holds a page), because the kernel's count
     /// is not the truth on 6.18 (after an internal retry it can move pages it does not report).
-    /// An error is returned only when the page tables cannot be read. Async-signal-safe.
+    /// Threads waiting on faults at pages that moved unreported are woken here (the kernel
+    /// wakes only what it reports). An error is returned only when the page tables cannot be
+    /// read or a wake fails. Async-signal-safe.
     ///
     /// # Safety
     ///
@@ -507,6 +544,20 @@ impl Uffd {
                     }
                 }
             }
+        }
+        // The kernel wakes the threads waiting on the pages it reports as moved; a page that
+        // moved without being reported would leave a thread faulting there asleep for good.
+        let mut j = reported;
+        while j < n {
+            if !moved[j] {
+                j += 1;
+                continue;
+            }
+            let start = j;
+            while j < n && moved[j] {
+                j += 1;
+            }
+            self.wake(dst + start * PAGE, (j - start) * PAGE)?;
         }
         Ok(report)
     }

@@ -6,8 +6,9 @@
 //!
 //! The second test runs the same chase with the page tables disturbed: a thread clears
 //! accessed bits all along (as DAMON does on these machines), the kernel's move count is made
-//! short every seventh move (as 6.18's batched move can be after an internal retry), and the
-//! block grows by realloc after every pass, so its contents move (mremap's page moves).
+//! short every seventh move (as 6.18's batched move can be after an internal retry, which
+//! then wakes no thread waiting on the unreported page), and the block grows by realloc
+//! after every pass, so its contents move (mremap's page moves).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -111,6 +112,9 @@ fn sequential_writers_chasing_the_evictor_lose_nothing() {
 
 #[test]
 fn the_chase_survives_cleared_accessed_bits_short_move_counts_and_reallocs() {
+    // A page moved but not reported wakes nobody unless the engine does: a thread faulting
+    // there would sleep for good.
+    let _watchdog = common::watchdog("the disturbed chase", std::time::Duration::from_secs(600));
     let (e, dir) = engine("chase-disturbed");
     e.uffd().inject_underreport(7);
     let mut len = PAGES * PAGE;

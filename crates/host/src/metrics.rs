@@ -46,6 +46,7 @@ fn labels(t: &TenantStatus) -> Labels {
 struct ConstHistogram<'a> {
     sum: f64,
     count: u64,
+    /// Counts per bucket, not cumulative: the encoder adds them up into `le` buckets.
     buckets: &'a [(f64, u64)],
 }
 
@@ -268,12 +269,19 @@ impl Collector for Status {
                 MetricType::Histogram,
             )?;
             for t in &s.tenants {
+                // The engine's counts are cumulative; the encoder wants them per bucket.
+                let mut below = 0u64;
                 let buckets: Vec<(f64, u64)> = t
                     .report
                     .tier_read_latency_buckets
                     .iter()
                     .map(|&(le_us, n)| (le_us / 1e6, n))
                     .chain(std::iter::once((f64::INFINITY, t.report.tier_reads)))
+                    .map(|(le, cumulative)| {
+                        let n = cumulative.saturating_sub(below);
+                        below = below.max(cumulative);
+                        (le, n)
+                    })
                     .collect();
                 ConstHistogram {
                     sum: t.report.tier_read_latency_sum_us / 1e6,
@@ -371,6 +379,8 @@ mod tests {
             "memtide_tenant_faults_total{tenant=\"redis\",id=\"1\",pid=\"42\",kind=\"tier\"} 17",
             "memtide_tenant_health{tenant=\"redis\",id=\"1\",pid=\"42\"} 2",
             "memtide_tenant_tier_read_latency_seconds_bucket{le=\"0.0001\",tenant=\"redis\",id=\"1\",pid=\"42\"} 2",
+            "memtide_tenant_tier_read_latency_seconds_bucket{le=\"0.0002\",tenant=\"redis\",id=\"1\",pid=\"42\"} 3",
+            "memtide_tenant_tier_read_latency_seconds_bucket{le=\"+Inf\",tenant=\"redis\",id=\"1\",pid=\"42\"} 3",
             "memtide_tenant_tier_read_latency_seconds_count{tenant=\"redis\",id=\"1\",pid=\"42\"} 3",
         ] {
             assert!(text.contains(want), "missing {want:?} in:\n{text}");

@@ -277,6 +277,11 @@ impl Engine {
                 }
                 if self.presence(self.addr_of(i)) != sys::Presence::Absent {
                     if keep_present {
+                        // Nothing mapped it through us, so nothing woke a thread that
+                        // faulted there before it appeared: wake it to retry.
+                        if let Err(e) = self.uffd.wake(self.addr_of(i), PAGE_SIZE) {
+                            fatal(what, &e);
+                        }
                         break;
                     }
                     fatal_with(

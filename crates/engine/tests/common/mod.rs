@@ -97,3 +97,19 @@ pub fn in_child_with(
     }
     child.wait_with_output().unwrap()
 }
+
+/// Ends the test process, saying `what` hung, unless dropped within `limit`: a thread left
+/// asleep in a fault (a lost wake) would otherwise hang the suite instead of failing it.
+pub struct Watchdog(std::sync::mpsc::Sender<()>);
+
+pub fn watchdog(what: &'static str, limit: Duration) -> Watchdog {
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        // Dropping the watchdog disconnects the channel: only a timeout means a hang.
+        if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(limit) {
+            eprintln!("{what} did not finish within {limit:?}: a thread is stuck");
+            std::process::exit(101);
+        }
+    });
+    Watchdog(tx)
+}
