@@ -889,10 +889,11 @@ fn micro(
                 .collect(),
         )
     };
+    let cw = config_width(configs.iter().map(|c| c.0.as_str()));
     let mut rows = Vec::new();
     println!();
     println!(
-        "{:<8} {:>3} {:<16} {:>12} {:>9} {:>9} {:>9} {:>8} {:>10}",
+        "{:<8} {:>3} {:<cw$} {:>12} {:>9} {:>9} {:>9} {:>8} {:>10}",
         "workload",
         "thr",
         "config",
@@ -930,7 +931,7 @@ fn micro(
                     .count();
                 if tp.is_nan() {
                     println!(
-                        "{:<8} {:>3} {:<16} {:>12} (every run was killed: {failed} of {})",
+                        "{:<8} {:>3} {:<cw$} {:>12} (every run was killed: {failed} of {})",
                         w,
                         t,
                         c,
@@ -941,7 +942,7 @@ fn micro(
                     continue;
                 }
                 println!(
-                    "{:<8} {:>3} {:<16} {:>12.0} {:>8.3}x {:>9} {:>8.3}% {:>8.2} {:>10}{}",
+                    "{:<8} {:>3} {:<cw$} {:>12.0} {:>8.3}x {:>9} {:>8.3}% {:>8.2} {:>10}{}",
                     row.workload,
                     row.threads,
                     row.config,
@@ -1048,4 +1049,10 @@ fn micro(
         "tier_fault_p50_us": fault_p50,
         "raw_read_p50_us": raw_p50,
     }))
+}
+
+/// The width of a table's config column: the longest name ("memtide 50% sig placement"), at
+/// least 16.
+pub(crate) fn config_width<'a>(names: impl Iterator<Item = &'a str>) -> usize {
+    names.map(|n| n.chars().count()).max().unwrap_or(0).max(16)
 }

@@ -540,9 +540,10 @@ pub fn run(
                 .collect(),
         )
     };
+    let cw = crate::bench::config_width(configs.iter().map(|c| c.0.as_str()));
     println!();
     println!(
-        "{:<9} {:>5} {:<16} {:>10} {:>8} {:>8} {:>9} {:>9} {:>8} {:>10}",
+        "{:<9} {:>5} {:<cw$} {:>10} {:>8} {:>8} {:>9} {:>9} {:>8} {:>10}",
         "server",
         "zipf",
         "config",
@@ -580,10 +581,10 @@ pub fn run(
                 .filter(|v| v.is_finite()),
             };
             if ops.is_nan() {
-                println!("{:<9} {:>5} {:<16} {:>10}", row.server, skew, c, "failed");
+                println!("{:<9} {:>5} {:<cw$} {:>10}", row.server, skew, c, "failed");
             } else {
                 println!(
-                    "{:<9} {:>5} {:<16} {:>10.0} {:>7.3}x {:>8} {:>9.0} {:>9.0} {:>7.2}x {:>10}",
+                    "{:<9} {:>5} {:<cw$} {:>10.0} {:>7.3}x {:>8} {:>9.0} {:>9.0} {:>7.2}x {:>10}",
                     row.server,
                     skew,
                     c,

@@ -9,7 +9,7 @@
 //! [`health`]. The engine and the simulator (as `memtide-v1`) each implement the two traits
 //! over their own page state, so both run exactly this code. [`Placement`] (S3-FIFO's small
 //! queue before a SIEVE main queue, through [`Pages`]) is its successor; the simulator runs it
-//! as `memtide`, the engine does not yet.
+//! as `memtide`, the engine with `--policy placement`.
 //!
 //! # The model
 //!

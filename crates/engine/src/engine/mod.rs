@@ -1,7 +1,8 @@
 //! The engine: one arena of managed memory registered with userfaultfd, its page table, and
 //! the stages of a page's life, a file each: the fault path (`fault.rs`, run by a handler
 //! thread per CPU (`handlers.rs`), or in the faulting thread from SIGBUS), eviction and
-//! write-back (`evict.rs`, the evictor thread), and the program's own memory calls
+//! write-back (`evict.rs`, the evictor thread; under `--policy placement` its choices come
+//! from `place.rs`), and the program's own memory calls
 //! (`region.rs`: free, discard, mremap, mprotect, pins, fork), and the sampled estimate of
 //! active memory (`active.rs`, run by the evictor). Small shared pieces have files of their
 //! own: the staging ring (`ring.rs`), the DRAM quota (`quota.rs`, changeable at run time) and
