@@ -1,7 +1,9 @@
 //! `memtide probe PATH`: is the device under PATH fit to be a memory tier? Measures 4 KiB random
 //! read latency at queue depth 1, random read IOPS at depths 1/8/32, random write IOPS and
 //! sequential bandwidth on an O_DIRECT test file, judges the read latency by the published
-//! operator guidance, and writes JSON that `sim` and `plan` read. Entry point: [`probe`].
+//! operator guidance, measures how long waking a sleeping thread takes on the same CPU and
+//! on another (what a fault served by handler threads pays), and writes JSON that `sim` and
+//! `plan` read. Entry point: [`probe`].
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -72,6 +74,12 @@ pub struct ProbeReport {
     /// together (bounded by the device's QD32 read rate).
     pub fault_rate_per_thread: f64,
     pub fault_rate_max: f64,
+    /// Waking a sleeping thread, p50 µs: on the waker's CPU and on another CPU (absent with
+    /// one CPU). A fault served by a handler thread wakes threads like this.
+    #[serde(default)]
+    pub wake_same_cpu_us: Option<f64>,
+    #[serde(default)]
+    pub wake_other_cpu_us: Option<f64>,
 }
 
 impl ProbeReport {
@@ -225,6 +233,7 @@ pub fn probe(a: ProbeArgs) -> Result<ExitCode> {
     let verdict = Health::of_latency(read.p50_us, &guidance);
     let tail = Health::of_latency(read.p99_us, &guidance);
     let tier_latency_us = read.p50_us + FAULT_OVERHEAD_US;
+    let wake = wake_up_us();
     let report = ProbeReport {
         path: a.path.display().to_string(),
         test_file: file.path().display().to_string(),
@@ -240,6 +249,8 @@ pub fn probe(a: ProbeArgs) -> Result<ExitCode> {
         tier_latency_us,
         fault_rate_per_thread: 1e6 / tier_latency_us,
         fault_rate_max: qd32.iops(),
+        wake_same_cpu_us: wake.map(|w| w.0),
+        wake_other_cpu_us: wake.map(|w| w.1),
     };
     println!(
         "4 KiB random read, QD1    p50 {:.0} µs   p99 {:.0} µs   p99.9 {:.0} µs   {}IOPS",
@@ -288,8 +299,78 @@ pub fn probe(a: ProbeArgs) -> Result<ExitCode> {
         tier_latency_us,
         rate(report.fault_rate_max)
     );
+    if let Some((same, other)) = wake {
+        println!(
+            "waking a thread           p50 {same:.1} µs on the same CPU, {other:.1} µs on another{}",
+            if other > SLOW_WAKE_US && other > 4.0 * same {
+                " — slow: idle CPUs halt without polling (as on a VM), and each fault served by \
+                 handler threads (the default) wakes every CPU's handler; the guest's halt polling \
+                 (guest_halt_poll_ns) or `--faults signal` avoids that (BENCHMARKS.md, tenth run)"
+            } else {
+                ""
+            }
+        );
+    }
     if let Some(p) = &a.json {
         crate::report::write_json(p, &serde_json::to_value(&report)?)?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// A wake-up across CPUs slower than this (and than 4x one on the same CPU) is called slow.
+const SLOW_WAKE_US: f64 = 10.0;
+
+/// The p50 time to wake a sleeping thread, on the waker's CPU and on another one: half the
+/// round trip of two threads pinned to those CPUs handing a turn back and forth, each sleeping
+/// until it is woken (a futex, through `park`). None with a single CPU.
+fn wake_up_us() -> Option<(f64, f64)> {
+    let cpus = memtide_engine::threads::allowed_cpus().ok()?;
+    if cpus.len() < 2 {
+        return None;
+    }
+    let same = ping_pong(cpus[0], cpus[0])?;
+    let other = ping_pong(cpus[0], cpus[1])?;
+    Some((same, other))
+}
+
+/// Half the p50 round trip of a turn handed between threads pinned to CPUs `a` and `b`.
+fn ping_pong(a: usize, b: usize) -> Option<f64> {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::Arc;
+    const ROUNDS: usize = 600;
+    // Measured from a thread of its own pinned to `a`, so the caller's affinity is kept.
+    let measure = std::thread::spawn(move || {
+        // Best effort: unpinned, the figure is only less exact.
+        let _ = memtide_engine::threads::pin_to_cpu(a);
+        let turn = Arc::new(AtomicU32::new(0));
+        let me = std::thread::current();
+        let peer = {
+            let turn = Arc::clone(&turn);
+            std::thread::spawn(move || {
+                let _ = memtide_engine::threads::pin_to_cpu(b);
+                for _ in 0..ROUNDS {
+                    while turn.load(Ordering::Acquire) != 1 {
+                        std::thread::park();
+                    }
+                    turn.store(0, Ordering::Release);
+                    me.unpark();
+                }
+            })
+        };
+        let mut ns = Vec::with_capacity(ROUNDS);
+        for _ in 0..ROUNDS {
+            let t0 = std::time::Instant::now();
+            turn.store(1, Ordering::Release);
+            peer.thread().unpark();
+            while turn.load(Ordering::Acquire) != 0 {
+                std::thread::park();
+            }
+            ns.push(t0.elapsed().as_nanos() as u64);
+        }
+        let _ = peer.join();
+        ns
+    });
+    let mut ns = measure.join().ok()?;
+    ns.sort_unstable();
+    Some(percentile(&ns, 0.5) / 2.0)
 }

@@ -65,6 +65,21 @@ fn agreement() -> Result<(), String> {
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(out.contains("verdict: "), "{out}");
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    // The wake-up figures: with two CPUs both are measured, and the printed line calls the
+    // wake-up across CPUs slow exactly when the JSON's figures are (over 10 µs and 4x the
+    // one on the same CPU).
+    if std::thread::available_parallelism().map_or(1, |n| n.get()) >= 2 {
+        let same = v["wake_same_cpu_us"].as_f64().unwrap();
+        let other = v["wake_other_cpu_us"].as_f64().unwrap();
+        assert!(same > 0.0 && other > 0.0, "{v}");
+        let line = out.lines().find(|l| l.starts_with("waking a thread"));
+        let line = line.unwrap_or_else(|| panic!("no wake-up line: {out}"));
+        assert_eq!(
+            line.contains("slow"),
+            other > 10.0 && other > 4.0 * same,
+            "{line} / {v}"
+        );
+    }
     let file = v["test_file"].as_str().unwrap().to_string();
     assert!(std::path::Path::new(&file).exists(), "--keep-file keeps it");
     let ours_qd1 = v["read_qd1"]["iops"].as_f64().unwrap();

@@ -56,11 +56,11 @@ impl Strays {
 impl Engine {
     /// Starts one handler thread per CPU this process may run on, each pinned to its CPU.
     pub(super) fn start_handlers(&'static self) -> io::Result<usize> {
-        let cpus = allowed_cpus()?;
+        let cpus = crate::threads::allowed_cpus()?;
         for (k, &cpu) in cpus.iter().enumerate() {
             crate::threads::spawn(&format!("memtide-fault-{k}"), move || {
                 // Pinning is an optimisation; a handler that cannot pin still serves.
-                let _ = pin_to_cpu(cpu);
+                let _ = crate::threads::pin_to_cpu(cpu);
                 self.handler_main()
             })?;
         }
@@ -127,33 +127,4 @@ impl Engine {
             )
         };
     }
-}
-
-/// The CPUs this process may run on.
-fn allowed_cpus() -> io::Result<Vec<usize>> {
-    // SAFETY: cpu_set_t is plain data; sched_getaffinity fills it.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: a valid out-pointer of the size given.
-    let r = unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
-    if r != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let cpus: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
-        // SAFETY: reading a bit of a valid set.
-        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
-        .collect();
-    Ok(if cpus.is_empty() { vec![0] } else { cpus })
-}
-
-/// Pins the calling thread to `cpu`.
-fn pin_to_cpu(cpu: usize) -> io::Result<()> {
-    // SAFETY: cpu_set_t is plain data.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: setting a bit of a valid set; `cpu` is below CPU_SETSIZE (it came from one).
-    unsafe { libc::CPU_SET(cpu, &mut set) };
-    // SAFETY: a valid set of the size given, for the calling thread.
-    if unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
 }
