@@ -10,8 +10,9 @@
 //!
 //! # The structure
 //!
-//! A page that comes into DRAM joins the small FIFO queue S (10% of the quota), unless it left
-//! S not long ago (it has a recent *ghost* stamp), in which case it joins the main queue M.
+//! A page that comes into DRAM joins the small FIFO queue S (10% of the quota to begin with),
+//! unless it left S not long ago (it has a recent *ghost* stamp), in which case it joins the
+//! main queue M.
 //! Either way it is staged soon after ([`Placement::probe`]): a page the program uses again
 //! shows itself by a hint fault. When pages must leave DRAM ([`Placement::evict`]):
 //!
@@ -25,9 +26,21 @@
 //! Pages touched once (a scan, a one-off lookup, a GC pass) go through S and out again
 //! without disturbing M. A page in M in steady use costs a hint fault every
 //! `CREDIT_ON_USE + 1` passes of the hand.
-//! Ghosts are stamps in a byte per page (the generation of S evictions, modulo 256), recent
-//! for about as many S evictions as M holds pages (S3-FIFO's ghost queue size); no allocation
-//! per page. The simulator drives this structure through [`Pages`] (policy `memtide`); the
+//!
+//! S's share adapts, as ARC's split between recency and frequency does. Pages leaving either
+//! queue keep a ghost stamp; a page that comes back soon after it left S says S was too short
+//! to see it used twice (S grows by a page), one that comes back soon after it left M says M
+//! was too short (S shrinks by a page, down to 0.1% of the quota, up to half of it). "Soon" is
+//! within [`ADAPT_GENERATIONS`] of the sixteen ghost generations: the same number of the
+//! queue's own most recent evictions for both, so the two signals weigh alike. Only a page
+//! that left S joins M on its return (S3-FIFO's rule); one that left M starts again in S. A
+//! fixed share of 10% loses where the program's working set is as large as DRAM (every page
+//! S holds on probation is one of it missing) and where hot sets shift (S too short to
+//! catch new hot pages on their second use).
+//!
+//! Ghosts are stamps in a byte per page (the generation of the queue's evictions, modulo 256),
+//! recent for about as many evictions as 90% of the quota (S3-FIFO's ghost queue size); no
+//! allocation per page. The simulator drives this structure through [`Pages`] (policy `memtide`); the
 //! engine runs it with `--policy placement` (its default is still the CLOCK sweep,
 //! [`crate::Clock`]).
 
@@ -72,6 +85,9 @@ const IN_MAIN: u8 = 2;
 const PROBED: u8 = 4;
 /// Out of DRAM, with a ghost stamp.
 const GHOST: u8 = 8;
+/// With GHOST: the page left from M (its stamp counts M's evictions, not S's). Shares
+/// PROBED's bit, which only a page in DRAM has.
+const FROM_MAIN: u8 = 4;
 /// Kept by the compaction under way (see [`Placement::compact`]).
 const KEPT: u8 = 16;
 /// Staged by placement and not seen used since.
@@ -81,13 +97,18 @@ const CREDIT_SHIFT: u8 = 6;
 const CREDIT: u8 = 3 << CREDIT_SHIFT;
 /// Passes a page of M that was seen used skips before the hand stages it again. Each staging
 /// of a page in use costs a hint fault; with 1 a hot page pays one every other pass instead of
-/// every pass. On the simulator's corpus (`memtide sim --corpus`), misses against the best
-/// online policy's, geometric mean: 1.045x with 0, 1.033x with 1, 1.039x with 2, 1.042x with
+/// every pass. On the simulator's corpus (`memtide sim --corpus`, before S's share adapted,
+/// with the engine's headroom), misses against the best online policy's, geometric mean: 1.045x with 0, 1.033x with 1, 1.039x with 2, 1.042x with
 /// 3; estimated time with hint faults at 20 µs: 1.23x, 1.20x, 1.17x, 1.16x.
 pub const CREDIT_ON_USE: u8 = 1;
 
 /// Generations a ghost stays recent.
 const GHOST_GENERATIONS: u8 = 16;
+/// Generations within which a returning ghost moves S's share. On the simulator's corpus at
+/// equal DRAM, misses against the best online policy's, geometric mean and worst row: 0.999x
+/// and 1.63x with 1, 0.996x and 1.62x with 2, 0.988x and 1.06x with 3, 0.993x and 1.11x
+/// with 4.
+pub const ADAPT_GENERATIONS: u8 = 3;
 
 /// No page (links are stored +1, so zeroed memory means "none").
 const NIL: u32 = 0;
@@ -109,7 +130,9 @@ pub struct Placement {
     flags: Vec<u8>,
     stamp: Vec<u8>,
     small_evictions: u64,
+    main_evictions: u64,
     generation_len: u64,
+    quota: u64,
     stage_limit: u64,
 }
 
@@ -148,7 +171,9 @@ impl Placement {
             flags: vec![0; pages],
             stamp: vec![0; pages],
             small_evictions: 0,
+            main_evictions: 0,
             generation_len: 1,
+            quota: 0,
             stage_limit: u64::MAX,
         };
         p.set_quota(quota);
@@ -162,14 +187,34 @@ impl Placement {
         self.stage_limit = pages.max(1);
     }
 
-    /// A new quota (a host daemon's share changes at run time): S's share and the ghosts'
-    /// reach follow it; pages already placed stay where they are.
+    /// A new quota (a host daemon's share changes at run time): S's share (as a fraction of
+    /// the quota, as it has adapted) and the ghosts' reach follow it; pages already placed stay
+    /// where they are.
     pub fn set_quota(&mut self, quota: u64) {
         let quota = quota.max(1);
-        self.small_target = (quota / 10).max(1);
-        self.generation_len = (quota - self.small_target)
+        self.small_target = if self.quota == 0 {
+            quota / 10
+        } else {
+            (self.small_target as u128 * quota as u128 / self.quota as u128) as u64
+        };
+        self.quota = quota;
+        self.small_target = self
+            .small_target
+            .clamp(Self::small_min(quota), quota.div_ceil(2));
+        self.generation_len = (quota - quota / 10)
             .div_ceil(GHOST_GENERATIONS as u64)
             .max(1);
+    }
+
+    /// The least S's share adapts down to: 0.1% of the quota, at least a page.
+    fn small_min(quota: u64) -> u64 {
+        (quota / 1000).max(1)
+    }
+
+    /// How many pages S may hold before its oldest leave (it adapts; see the module
+    /// documentation).
+    pub fn small_target(&self) -> u64 {
+        self.small_target
     }
 
     /// Pages in S and in M.
@@ -188,6 +233,20 @@ impl Placement {
         (self.small_evictions / self.generation_len) as u8
     }
 
+    fn main_generation(&self) -> u8 {
+        (self.main_evictions / self.generation_len) as u8
+    }
+
+    /// How many generations ago page `i`, a ghost, left its queue.
+    fn ghost_age(&self, i: usize) -> u8 {
+        let now = if self.flags[i] & FROM_MAIN != 0 {
+            self.main_generation()
+        } else {
+            self.generation()
+        };
+        now.wrapping_sub(self.stamp[i])
+    }
+
     /// Page `i` came into DRAM (a first touch or a read from tier 1) and is mapped: it joins M
     /// if it left S recently, S otherwise. Returns the queue. A page placement still holds
     /// (the engine reports arrivals after the fact: the page may have been freed and touched
@@ -203,8 +262,18 @@ impl Placement {
                 Queue::Small
             };
         }
-        let ghost =
-            f & GHOST != 0 && self.generation().wrapping_sub(self.stamp[i]) < GHOST_GENERATIONS;
+        let age = self.ghost_age(i);
+        if f & GHOST != 0 && age < ADAPT_GENERATIONS {
+            // S (or M) was too short to keep this page until its return.
+            self.small_target = if f & FROM_MAIN != 0 {
+                self.small_target
+                    .saturating_sub(1)
+                    .max(Self::small_min(self.quota))
+            } else {
+                (self.small_target + 1).min(self.quota.div_ceil(2))
+            };
+        }
+        let ghost = f & GHOST != 0 && f & FROM_MAIN == 0 && age < GHOST_GENERATIONS;
         if self.small.len() as u64 > 2 * self.small_len + 1024
             || self.arrivals.len() as u64 > 2 * (self.small_len + self.main_len) + 1024
         {
@@ -310,7 +379,9 @@ impl Placement {
                 Residence::Staged => {
                     if pages.evict(i) {
                         self.unlink_main(i);
-                        self.flags[i] = 0;
+                        self.flags[i] = GHOST | FROM_MAIN;
+                        self.stamp[i] = self.main_generation();
+                        self.main_evictions += 1;
                         done.from_main += 1;
                     }
                 }
@@ -605,6 +676,63 @@ mod tests {
         p.evict(&mut m, 1);
         p.small_evictions += 144;
         assert_eq!(arrive(&mut p, &mut m, 0), Queue::Small);
+    }
+
+    #[test]
+    fn returning_ghosts_move_small_queues_share() {
+        // Quota 1000: S's share starts at 100; 57 evictions per generation.
+        let mut p = Placement::new(8, 1000);
+        let mut m = Toy::new(8);
+        assert_eq!((p.small_target(), p.generation_len), (100, 57));
+        // Page 0 leaves S unused and comes back within ADAPT_GENERATIONS: S grows by a page,
+        // and the page joins M.
+        arrive(&mut p, &mut m, 0);
+        p.small_target = 0;
+        assert_eq!(p.evict(&mut m, 1).from_small, 1);
+        p.small_target = 100;
+        p.small_evictions += 57 * (ADAPT_GENERATIONS as u64 - 1);
+        assert_eq!(arrive(&mut p, &mut m, 0), Queue::Main);
+        assert_eq!(p.small_target(), 101);
+        // It leaves M (staged, unused) and comes back as soon: S shrinks by a page, and the
+        // page starts again in S.
+        assert_eq!(p.evict(&mut m, 1).from_main, 1);
+        assert_eq!(arrive(&mut p, &mut m, 0), Queue::Small);
+        assert_eq!(p.small_target(), 100);
+        // A ghost older than ADAPT_GENERATIONS still joins M from S, but moves nothing.
+        p.small_target = 0;
+        assert_eq!(p.evict(&mut m, 1).from_small, 1);
+        p.small_target = 100;
+        p.small_evictions += 57 * ADAPT_GENERATIONS as u64;
+        assert_eq!(arrive(&mut p, &mut m, 0), Queue::Main);
+        assert_eq!(p.small_target(), 100);
+        // From M, an old ghost starts again in S and moves nothing either.
+        assert_eq!(p.evict(&mut m, 1).from_main, 1);
+        p.main_evictions += 57 * ADAPT_GENERATIONS as u64;
+        assert_eq!(arrive(&mut p, &mut m, 0), Queue::Small);
+        assert_eq!(p.small_target(), 100);
+    }
+
+    #[test]
+    fn small_queues_share_stays_between_its_bounds_and_follows_the_quota() {
+        let mut p = Placement::new(8, 1000);
+        let mut m = Toy::new(8);
+        // Pages that keep coming back from M shrink S to 0.1% of the quota, no further.
+        for _ in 0..200 {
+            arrive(&mut p, &mut m, 0);
+            p.small_target = 0;
+            p.evict(&mut m, 1); // out of S
+            arrive(&mut p, &mut m, 0); // back into M (and S grows by one)
+            p.small_target = 1; // S is not to take page 1 next
+            assert_eq!(p.evict(&mut m, 1).from_main, 1);
+        }
+        p.set_quota(1000);
+        assert_eq!(p.small_target(), 1);
+        // A new quota keeps the adapted fraction: 50% of 1000 pages, then of 400.
+        p.small_target = 500;
+        p.set_quota(400);
+        assert_eq!(p.small_target(), 200);
+        p.set_quota(100_000);
+        assert_eq!(p.small_target(), 50_000);
     }
 
     #[test]

@@ -92,9 +92,11 @@ pub const ALL_POLICIES: [&str; 10] = [
 ];
 
 /// Every policy the simulator knows (`memory-mode` is the direct-mapped DRAM cache model,
-/// `memtide-v1` the engine's first policy).
-pub const KNOWN_POLICIES: [&str; 12] = [
+/// `memtide-exact` memtide's placement with no headroom below the quota, `memtide-v1` the
+/// engine's first policy).
+pub const KNOWN_POLICIES: [&str; 13] = [
     "memtide",
+    "memtide-exact",
     "lru",
     "clock",
     "arc",

@@ -1,8 +1,12 @@
 //! memtide's placement ([`memtide_policy::Placement`]) replayed with exactly the engine's view:
 //! an access to a mapped page is invisible; the policy hears of first touches, misses and
-//! accesses to pages it staged (hint faults, counted as soft faults). Eviction runs between
-//! the engine's [`Watermarks`], and new pages are staged once DRAM nears the quota, as an
-//! engine evictor running placement would.
+//! accesses to pages it staged (hint faults, counted as soft faults). As `memtide`, eviction
+//! runs between the engine's [`Watermarks`] (one to two write-back batches below the quota,
+//! so that a faulting thread rarely waits), and new pages are staged once DRAM nears the
+//! quota, as an engine evictor running placement would. As `memtide-exact`, it keeps exactly
+//! as many pages in DRAM as every other policy does between accesses (evicting one page when
+//! one more comes in, which may be that page, once used, as in the engine): the placement
+//! decisions alone, for comparing policies.
 
 use memtide_policy::{Pages, Placement, Residence, Watermarks};
 
@@ -12,6 +16,7 @@ use super::{Outcome, Policy, DIRTY, IN_DRAM, NEVER, OUT, STAGED};
 const WHERE: u8 = 3;
 
 pub struct Tide {
+    name: &'static str,
     state: Vec<u8>,
     resident: u64,
     placement: Placement,
@@ -19,9 +24,25 @@ pub struct Tide {
 }
 
 impl Tide {
+    /// Placement as the engine runs it, between its watermarks.
     pub fn new(pages: u64, cap: u64) -> Tide {
-        let wm = Watermarks::for_quota(cap);
+        Tide::with(pages, Watermarks::for_quota(cap), "memtide")
+    }
+
+    /// Placement with exactly `cap` pages of DRAM in use, as the other policies have.
+    pub fn exact(pages: u64, cap: u64) -> Tide {
+        let wm = Watermarks {
+            quota: cap.max(1),
+            high_headroom: 0,
+            low_headroom: 0,
+            ..Watermarks::for_quota(cap)
+        };
+        Tide::with(pages, wm, "memtide-exact")
+    }
+
+    fn with(pages: u64, wm: Watermarks, name: &'static str) -> Tide {
         Tide {
+            name,
             state: vec![NEVER; pages as usize],
             resident: 0,
             placement: Placement::new(pages as usize, wm.quota),
@@ -39,8 +60,16 @@ impl Tide {
             o,
         };
         if wm.over_high(*pages.resident) {
-            let want = *pages.resident - (wm.quota - wm.low_headroom);
-            self.placement.evict(&mut pages, want);
+            // One call may only promote or stage pages (the hand spends a pass of credit, a pass staging,
+            // and takes a page on the next): call again, as the engine's evictor does, until
+            // DRAM is down to the low watermark.
+            while *pages.resident + wm.low_headroom > wm.quota {
+                let want = *pages.resident + wm.low_headroom - wm.quota;
+                let e = self.placement.evict(&mut pages, want);
+                if e.total() == 0 && e.staged == 0 && e.promoted == 0 {
+                    break;
+                }
+            }
         }
         if *pages.resident + wm.low_headroom + wm.inactive_target >= wm.quota {
             self.placement.probe(&mut pages, u64::MAX);
@@ -85,7 +114,7 @@ impl Pages for SimPages<'_> {
 
 impl Policy for Tide {
     fn name(&self) -> &'static str {
-        "memtide"
+        self.name
     }
 
     fn state_bytes(&self) -> u64 {
