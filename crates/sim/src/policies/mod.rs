@@ -605,6 +605,18 @@ mod tests {
             let best = opt(&trace, pages, cap + 1, 0).misses;
             prop_assert!(best <= o.misses, "opt {} > memtide-exact {}", best, o.misses);
         }
+
+        #[test]
+        fn memtide_exact_holds_at_most_its_dram_between_accesses(
+            (trace, pages, cap) in trace_strategy()
+        ) {
+            let mut t = Tide::exact(pages, cap);
+            let mut o = Outcome::default();
+            for &(p, w) in &trace {
+                t.access(p as u64, w, &mut o);
+                prop_assert!(t.resident() <= cap, "{} pages in DRAM of {}", t.resident(), cap);
+            }
+        }
     }
 
     /// Each access of `trace` as H (hit) or M (a miss or a first touch), as a policy saw it.

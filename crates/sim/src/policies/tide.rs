@@ -60,9 +60,9 @@ impl Tide {
             o,
         };
         if wm.over_high(*pages.resident) {
-            // One call may only promote or stage pages (the hand spends a pass of credit, a pass staging,
-            // and takes a page on the next): call again, as the engine's evictor does, until
-            // DRAM is down to the low watermark.
+            // One call may free fewer pages than asked (the hand spends a pass of credit, a pass
+            // staging, and takes a page on the next): call again, as the engine's evictor does,
+            // while it makes progress, until DRAM is down to the low watermark.
             while *pages.resident + wm.low_headroom > wm.quota {
                 let want = *pages.resident + wm.low_headroom - wm.quota;
                 let e = self.placement.evict(&mut pages, want);
@@ -109,6 +109,14 @@ impl Pages for SimPages<'_> {
         self.state[i] = OUT;
         *self.resident -= 1;
         true
+    }
+}
+
+impl Tide {
+    /// Pages in DRAM (mapped or staged).
+    #[cfg(test)]
+    pub(super) fn resident(&self) -> u64 {
+        self.resident
     }
 }
 
