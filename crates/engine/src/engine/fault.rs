@@ -10,8 +10,9 @@
 use std::cell::Cell;
 use std::io;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
 
-use memtide_policy::ahead::{readahead_window, zero_fill, READAHEAD, ZERO_CHUNK};
+use memtide_policy::ahead::{readahead_window, zero_fill, Pairs, READAHEAD, ZERO_CHUNK};
 use memtide_policy::{Activeness, PAGE_SIZE};
 
 use super::fatal::{fatal, fatal_with, presence_code};
@@ -70,10 +71,14 @@ impl BouncePool {
 }
 
 /// Where the last tier read ended, and how many reads in a row each started right after the
-/// one before: read-ahead grows with that run.
+/// one before: read-ahead grows with that run. A fault that starts a run reads the next page
+/// too while objects span page pairs ([`Pairs`]).
 pub(super) struct SequentialRun {
     last: AtomicUsize,
     run: AtomicUsize,
+    /// Taken with `try_lock` only (faults may be served in a signal handler): a fault that
+    /// finds it taken reads one page and counts for nothing.
+    pairs: Mutex<Pairs>,
 }
 
 impl SequentialRun {
@@ -81,6 +86,7 @@ impl SequentialRun {
         SequentialRun {
             last: AtomicUsize::new(usize::MAX - 1),
             run: AtomicUsize::new(0),
+            pairs: Mutex::new(Pairs::default()),
         }
     }
 
@@ -93,7 +99,11 @@ impl SequentialRun {
             1
         };
         self.run.store(run, Ordering::Relaxed);
-        readahead_window(run)
+        let pairs = self
+            .pairs
+            .try_lock()
+            .map_or(1, |mut pairs| pairs.fault(p, run == 1));
+        pairs.max(readahead_window(run))
     }
 
     /// The read that just ended brought in pages up to `last`.
@@ -475,7 +485,8 @@ impl Engine {
         let t0 = sys::now_ns();
         // Read-ahead grows with the run of faults that each start where the last read ended
         // (one page gap allowed): none for the first two (an object spanning two pages is
-        // not a stream), then 2, 4, 8, 16 pages.
+        // not a stream), then 2, 4, 8, 16 pages; the first reads the next page too while
+        // pairs are common.
         let window = self.sequential.window(p);
         self.reserve(1);
         let Some(old) = self.pt.claim(p, State::Evicted, false) else {

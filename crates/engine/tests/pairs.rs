@@ -1,0 +1,116 @@
+//! Objects that span two pages, read back from tier 1: once most faults that start a run are
+//! followed by one on the next page (a program reading values of a few KiB), such a fault
+//! reads both pages, so an object costs one tier fault instead of two; random single pages
+//! read nothing ahead, before and after. Every page read is checked against its stamp.
+
+use memtide_engine::Engine;
+
+mod common;
+
+use common::{engine, PAGE};
+
+/// 4 MiB of DRAM under a block of 64 MiB: almost every page read comes from tier 1.
+const QUOTA: u64 = 4 << 20;
+const PAGES: usize = 16 << 10;
+/// Reads per phase.
+const READS: u64 = 3000;
+
+fn stamp(i: usize) -> u64 {
+    (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1
+}
+
+/// A small xorshift generator: the same pages on every run.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % n as u64) as usize
+    }
+}
+
+/// Reads page `i`'s stamp (its last word, where a value that starts on the page before ends).
+fn read(base: usize, i: usize) -> u64 {
+    // SAFETY: the block is managed memory we own.
+    unsafe { ((base + i * PAGE + PAGE - 8) as *const u64).read_volatile() }
+}
+
+/// Tier faults and pages read ahead while `f` runs.
+fn counting(e: &Engine, f: impl FnOnce()) -> (u64, u64) {
+    let s0 = e.snapshot();
+    f();
+    let s1 = e.snapshot();
+    (
+        s1.faults_tier - s0.faults_tier,
+        s1.readahead_pages - s0.readahead_pages,
+    )
+}
+
+#[test]
+fn objects_spanning_two_pages_are_read_in_one_fault() {
+    let (e, _dir) = engine("pairs", QUOTA);
+    let base = e.alloc(PAGES * PAGE, PAGE).unwrap();
+    for i in 0..PAGES {
+        // SAFETY: managed memory we own.
+        unsafe { ((base + i * PAGE + PAGE - 8) as *mut u64).write_volatile(stamp(i)) };
+    }
+    let mut rng = Rng(0x5EED);
+    let mut wrong = 0;
+    let mut check = |i: usize| {
+        if read(base, i) != stamp(i) {
+            wrong += 1;
+        }
+    };
+    // Random single pages (never two neighbours in a row): one fault each, nothing ahead.
+    let singles = |rng: &mut Rng, check: &mut dyn FnMut(usize)| {
+        let mut last = usize::MAX - 8;
+        for _ in 0..READS {
+            let i = loop {
+                let i = rng.below(PAGES);
+                if i.abs_diff(last) > 2 {
+                    break i;
+                }
+            };
+            check(i);
+            last = i;
+        }
+    };
+    let (faults, ahead) = counting(e, || singles(&mut rng, &mut check));
+    eprintln!("single pages: {faults} tier faults, {ahead} pages read ahead");
+    assert!(
+        faults > READS * 8 / 10,
+        "the reads came from tier 1: {faults}"
+    );
+    assert_eq!(ahead, 0, "random single pages read nothing ahead");
+
+    // Objects: a page and the next. The first few hundred measure; then one fault in eight
+    // still does, and pages whose tier slots do not follow on are read alone.
+    let objects = |rng: &mut Rng, check: &mut dyn FnMut(usize), n: u64| {
+        for _ in 0..n {
+            let i = rng.below(PAGES - 1);
+            check(i);
+            check(i + 1);
+        }
+    };
+    objects(&mut rng, &mut check, READS);
+    let (faults, ahead) = counting(e, || objects(&mut rng, &mut check, READS));
+    eprintln!("objects of two pages: {faults} tier faults for {READS}, {ahead} pages read ahead");
+    assert!(
+        faults < READS * 3 / 2,
+        "an object costs about one fault once pairs are on: {faults} faults for {READS} objects"
+    );
+    assert!(ahead > READS / 2, "{ahead} pages read ahead");
+
+    // Back to single pages: pairs turn off within a decision's worth of faults.
+    singles(&mut rng, &mut check);
+    let (faults, ahead) = counting(e, || singles(&mut rng, &mut check));
+    eprintln!("single pages again: {faults} tier faults, {ahead} pages read ahead");
+    assert!(
+        faults > READS * 8 / 10,
+        "the reads came from tier 1: {faults}"
+    );
+    assert_eq!(ahead, 0, "pairs turned off");
+    assert_eq!(wrong, 0, "pages read back with a wrong stamp");
+}
