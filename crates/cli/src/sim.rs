@@ -65,7 +65,8 @@ pub struct SimArgs {
     /// (exact), gclock (LFU with aging), opt (Belady, offline); not in `all`: memory-mode (a
     /// direct-mapped DRAM cache in front of the slow tier), memtide-exact (memtide's placement
     /// with exactly --dram pages in use, as the others have; memtide keeps the engine's 1-2 MiB
-    /// of headroom below the quota) and memtide-v1 (the first policy).
+    /// of headroom below the quota) and memtide-v1 (the first policy). memtide and memtide-v1
+    /// model the engine, so they run from 64 KiB of DRAM up, as the engine does.
     #[arg(long, value_delimiter = ',', default_value = "all")]
     pub policy: Vec<String>,
     /// Cost of an access from DRAM, including the program's own work per access.
@@ -238,15 +239,31 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
     }
     policies.dedup();
     let lat = latency(&a)?;
+    // `memtide` and `memtide-v1` model the engine, which takes no quota under 64 KiB.
+    let engine_modelled = |p: &str| p == "memtide" || p == "memtide-v1";
+    for &d in &sizes {
+        if d < ENGINE_MIN_PAGES && policies.iter().any(|p| engine_modelled(p)) {
+            eprintln!(
+                "memtide sim: memtide and memtide-v1 are not simulated at {}: the engine's DRAM quota is at least 64 KiB ({ENGINE_MIN_PAGES} pages); memtide-exact is",
+                size::format(d * 4096)
+            );
+        }
+    }
     let jobs: Vec<Job> = sizes
         .iter()
         .flat_map(|&d| {
-            policies.iter().map(move |p| Job {
-                policy: p.clone(),
-                dram_pages: d,
-            })
+            policies
+                .iter()
+                .filter(move |p| d >= ENGINE_MIN_PAGES || !engine_modelled(p))
+                .map(move |p| Job {
+                    policy: p.clone(),
+                    dram_pages: d,
+                })
         })
         .collect();
+    if jobs.is_empty() {
+        bail!("nothing to simulate: give --dram 64KiB or more for memtide and memtide-v1");
+    }
     eprintln!("memtide sim: {label}");
     let tty = std::io::stderr().is_terminal();
     let threads = std::thread::available_parallelism()
@@ -440,6 +457,9 @@ fn short_label(label: &str) -> String {
         .map_or(label.len(), |(at, _)| at);
     label[..end].chars().take(44).collect()
 }
+
+/// The engine's smallest DRAM quota, in pages (64 KiB).
+const ENGINE_MIN_PAGES: u64 = 16;
 
 /// The online policies memtide's is measured against: each sees every access.
 const ONLINE: [&str; 6] = ["lru", "clock", "arc", "2q", "s3fifo", "sieve"];
