@@ -146,9 +146,14 @@ pub fn print(program: &str, status: &str, c: &Collected) {
         s.faults_zero, s.faults_tier, s.faults_inactive, s.faults_wait
     );
     eprintln!(
-        "  moves    {} promotions ({} read ahead), {} demotions ({} clean, {} zero: no write){}",
+        "  moves    {} promotions ({} read ahead{}), {} demotions ({} clean, {} zero: no write){}",
         s.promotions,
         s.readahead_pages,
+        if s.readahead_pairs > 0 {
+            format!(", {} of them as the next page of a pair", s.readahead_pairs)
+        } else {
+            String::new()
+        },
         s.demotions,
         s.demotions_clean,
         s.demotions_zero,

@@ -127,6 +127,9 @@ pub struct Counters {
     pub moves_underreported: AtomicU64,
     /// Pages brought in by read-ahead beside a faulting page.
     pub readahead_pages: AtomicU64,
+    /// Of those, pages read as the next page of a fault that started no run, while objects
+    /// span page pairs.
+    pub readahead_pairs: AtomicU64,
     /// Pages promoted to DRAM (tier-1 reads and inactive hits).
     pub promotions: AtomicU64,
     /// Pages demoted to tier 1 (written or dropped clean).
@@ -217,6 +220,8 @@ pub struct Snapshot {
     pub faults_wait: u64,
     pub moves_underreported: u64,
     pub readahead_pages: u64,
+    #[serde(default)]
+    pub readahead_pairs: u64,
     pub promotions: u64,
     pub demotions: u64,
     pub demotions_clean: u64,

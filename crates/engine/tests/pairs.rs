@@ -37,14 +37,16 @@ fn read(base: usize, i: usize) -> u64 {
     unsafe { ((base + i * PAGE + PAGE - 8) as *const u64).read_volatile() }
 }
 
-/// Tier faults and pages read ahead while `f` runs.
-fn counting(e: &Engine, f: impl FnOnce()) -> (u64, u64) {
+/// Tier faults, pages read ahead, and of those pages read as the next page of a pair, while
+/// `f` runs.
+fn counting(e: &Engine, f: impl FnOnce()) -> (u64, u64, u64) {
     let s0 = e.snapshot();
     f();
     let s1 = e.snapshot();
     (
         s1.faults_tier - s0.faults_tier,
         s1.readahead_pages - s0.readahead_pages,
+        s1.readahead_pairs - s0.readahead_pairs,
     )
 }
 
@@ -77,7 +79,7 @@ fn objects_spanning_two_pages_are_read_in_one_fault() {
             last = i;
         }
     };
-    let (faults, ahead) = counting(e, || singles(&mut rng, &mut check));
+    let (faults, ahead, _) = counting(e, || singles(&mut rng, &mut check));
     eprintln!("single pages: {faults} tier faults, {ahead} pages read ahead");
     assert!(
         faults > READS * 8 / 10,
@@ -95,17 +97,21 @@ fn objects_spanning_two_pages_are_read_in_one_fault() {
         }
     };
     objects(&mut rng, &mut check, READS);
-    let (faults, ahead) = counting(e, || objects(&mut rng, &mut check, READS));
-    eprintln!("objects of two pages: {faults} tier faults for {READS}, {ahead} pages read ahead");
+    let (faults, ahead, pairs) = counting(e, || objects(&mut rng, &mut check, READS));
+    eprintln!("objects of two pages: {faults} tier faults for {READS}, {ahead} pages read ahead, {pairs} as pairs");
     assert!(
         faults < READS * 3 / 2,
         "an object costs about one fault once pairs are on: {faults} faults for {READS} objects"
     );
     assert!(ahead > READS / 2, "{ahead} pages read ahead");
+    assert_eq!(
+        pairs, ahead,
+        "every page read ahead was the next page of a pair"
+    );
 
     // Back to single pages: pairs turn off within a decision's worth of faults.
     singles(&mut rng, &mut check);
-    let (faults, ahead) = counting(e, || singles(&mut rng, &mut check));
+    let (faults, ahead, _) = counting(e, || singles(&mut rng, &mut check));
     eprintln!("single pages again: {faults} tier faults, {ahead} pages read ahead");
     assert!(
         faults > READS * 8 / 10,

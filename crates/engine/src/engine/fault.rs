@@ -90,8 +90,9 @@ impl SequentialRun {
         }
     }
 
-    /// A tier fault at page `p`: how many pages to read (one page gap allowed in a run).
-    fn window(&self, p: usize) -> usize {
+    /// A tier fault at page `p`: how many pages to read (one page gap allowed in a run), and
+    /// whether the second is the next page of a pair.
+    fn window(&self, p: usize) -> (usize, bool) {
         let last = self.last.load(Ordering::Relaxed);
         let run = if p == last.wrapping_add(1) || p == last.wrapping_add(2) {
             self.run.load(Ordering::Relaxed).saturating_add(1)
@@ -103,7 +104,8 @@ impl SequentialRun {
             .pairs
             .try_lock()
             .map_or(1, |mut pairs| pairs.fault(p, run == 1));
-        pairs.max(readahead_window(run))
+        let ahead = readahead_window(run);
+        (pairs.max(ahead), pairs > ahead)
     }
 
     /// The read that just ended brought in pages up to `last`.
@@ -487,7 +489,7 @@ impl Engine {
         // (one page gap allowed): none for the first two (an object spanning two pages is
         // not a stream), then 2, 4, 8, 16 pages; the first reads the next page too while
         // pairs are common.
-        let window = self.sequential.window(p);
+        let (window, pair) = self.sequential.window(p);
         self.reserve(1);
         let Some(old) = self.pt.claim(p, State::Evicted, false) else {
             self.quota.unreserve(1);
@@ -546,6 +548,9 @@ impl Engine {
         Counters::bump(&self.counters.faults_tier);
         Counters::add(&self.counters.promotions, n as u64);
         Counters::add(&self.counters.readahead_pages, n as u64 - 1);
+        if pair {
+            Counters::add(&self.counters.readahead_pairs, n as u64 - 1);
+        }
         Counters::add(&self.counters.tier_read_bytes, (n * PAGE_SIZE) as u64);
         self.counters.fault_tier_latency.record(sys::now_ns() - t0);
         true

@@ -544,6 +544,7 @@ impl Engine {
             faults_wait: r(&c.faults_wait),
             moves_underreported: r(&c.moves_underreported),
             readahead_pages: r(&c.readahead_pages),
+            readahead_pairs: r(&c.readahead_pairs),
             promotions: r(&c.promotions),
             demotions: r(&c.demotions),
             demotions_clean: r(&c.demotions_clean),
