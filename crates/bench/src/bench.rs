@@ -338,6 +338,72 @@ pub fn janitor() -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The most memory memtide's runs kept resident beyond their quota, per budget (a fraction of
+/// the footprint), for [`limit_swap`].
+#[derive(Default)]
+pub struct Unmanaged(Vec<(f64, u64)>);
+
+impl Unmanaged {
+    pub fn saw(&mut self, budget: f64, bytes: u64) {
+        match self.0.iter_mut().find(|(b, _)| *b == budget) {
+            Some((_, most)) => *most = (*most).max(bytes),
+            None => self.0.push((budget, bytes)),
+        }
+    }
+
+    pub fn get(&self, budget: f64) -> u64 {
+        self.0
+            .iter()
+            .find(|(b, _)| *b == budget)
+            .map_or(0, |&(_, most)| most)
+    }
+}
+
+/// Says what DRAM Linux swap had: per swap configuration (name, budget, its runs' cgroup
+/// limits), the limit beside the budget.
+pub fn print_swap_limits<'a>(limits: impl Iterator<Item = (&'a str, u64, Option<u64>)>) {
+    let mut seen: Vec<(&str, u64, u64)> = Vec::new();
+    for (name, budget, limit) in limits {
+        let Some(limit) = limit else { continue };
+        match seen.iter_mut().find(|s| s.0 == name) {
+            Some(s) => s.2 = s.2.max(limit),
+            None => seen.push((name, budget, limit)),
+        }
+    }
+    for (name, budget, limit) in seen {
+        println!(
+            "({name}: cgroup limit up to {}, the budget of {} plus the most memory memtide's runs at that budget kept resident beyond their quota, so that both have the same DRAM)",
+            memtide_engine::size::format(limit),
+            memtide_engine::size::format(budget),
+        );
+    }
+}
+
+/// A DRAM budget of `pct`% of `footprint`, in whole MiB.
+pub fn budget_bytes(footprint: u64, pct: f64) -> u64 {
+    ((footprint as f64 * pct / 100.0) as u64).next_multiple_of(1 << 20)
+}
+
+/// Linux swap's side of a budget: the same DRAM memtide had. memtide's quota counts only the
+/// memory it manages; what the program keeps resident beyond that (small allocations, stacks,
+/// memtide's own state: `unmanaged`, the most seen in memtide's runs at this budget so far)
+/// is DRAM too, and a memory cgroup counts all of it. Sets the cgroup's limit to the budget
+/// plus that; returns the limit.
+pub fn limit_swap(procs: &Path, budget: u64, unmanaged: u64) -> Result<u64> {
+    let dir = procs
+        .parent()
+        .context("a cgroup's procs file has a directory")?;
+    let file = if dir.join("memory.max").exists() {
+        "memory.max"
+    } else {
+        "memory.limit_in_bytes"
+    };
+    let limit = budget + unmanaged.next_multiple_of(1 << 20);
+    std::fs::write(dir.join(file), limit.to_string())
+        .with_context(|| format!("cannot set the memory limit of {}", dir.display()))?;
+    Ok(limit)
+}
+
 /// Memory cgroups for tenants run side by side (Linux swap's placement); each run sets the
 /// limits it needs.
 pub struct TenantCgroups {
@@ -447,6 +513,9 @@ struct RunRecord {
     tier_read_p50_us: Option<f64>,
     peak_dram: Option<u64>,
     verified_pages: u64,
+    /// Linux swap's cgroup limit: the budget plus what memtide's runs kept unmanaged.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cgroup_limit: Option<u64>,
     /// Why the run ended without a result (Linux configurations only).
     #[serde(skip_serializing_if = "Option::is_none")]
     failed: Option<String>,
@@ -585,7 +654,7 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     let budgets: Vec<u64> = a
         .budgets
         .iter()
-        .map(|p| ((a.footprint as f64 * p / 100.0) as u64).next_multiple_of(1 << 20))
+        .map(|&p| budget_bytes(a.footprint, p))
         .collect();
     for &b in &budgets {
         preflight::check_dram(b)?;
@@ -797,6 +866,7 @@ fn micro(
     let total_runs = a.reps() * a.workloads.len() * a.threads.len() * configs.len();
     let mut records: Vec<RunRecord> = Vec::new();
     let started = Instant::now();
+    let mut unmanaged = Unmanaged::default();
     for rep in 0..a.reps() {
         for wname in &a.workloads {
             let (hot, hot_share) = workload_shape(wname).expect("checked");
@@ -813,7 +883,8 @@ fn micro(
                     scan: false,
                     seed: 42 + rep as u64,
                 };
-                for (name, _, place, zswap_on) in configs {
+                for (name, budget, place, zswap_on) in configs {
+                    let budget = *budget;
                     if INTERRUPTED.load(Ordering::Relaxed) {
                         bail!("interrupted; settings restored");
                     }
@@ -824,6 +895,14 @@ fn micro(
                         "{} {wname} {threads}t {name}",
                         step_label(records.len(), total_runs, started)
                     );
+                    let cgroup_limit = match place {
+                        Placement::Cgroup { procs } => Some(limit_swap(
+                            procs,
+                            budget_bytes(a.footprint, budget * 100.0),
+                            unmanaged.get(budget),
+                        )?),
+                        _ => None,
+                    };
                     let o: Outcome = match run_workload(&label, &w, place) {
                         Ok(o) => o,
                         // Linux may kill a workload in its cgroup (out of memory with the
@@ -836,6 +915,7 @@ fn micro(
                                 threads,
                                 config: name.clone(),
                                 rep,
+                                cgroup_limit,
                                 failed: Some(format!("{e:#}")),
                                 ..RunRecord::default()
                             });
@@ -871,8 +951,12 @@ fn micro(
                         tier_read_p50_us: o.memtide.as_ref().map(|s| s.tier_read_latency_p50_us),
                         peak_dram: o.memtide.as_ref().map(|s| s.peak_dram_bytes),
                         verified_pages: o.result.verified_pages,
+                        cgroup_limit,
                         failed: None,
                     });
+                    if let Some(s) = &o.memtide {
+                        unmanaged.saw(budget, o.peak_rss.saturating_sub(s.peak_dram_bytes));
+                    }
                 }
             }
         }
@@ -969,6 +1053,13 @@ fn micro(
     println!(
         "(miss: accesses served from tier 1 or swap, i.e. slower than 20 µs; sampled 1 in 64; miss µs: their p50 as the program waits for them)"
     );
+    print_swap_limits(records.iter().map(|r| {
+        let budget = configs
+            .iter()
+            .find(|c| c.0 == r.config)
+            .map_or(0, |c| budget_bytes(a.footprint, c.1 * 100.0));
+        (r.config.as_str(), budget, r.cgroup_limit)
+    }));
     if a.faults.contains(&memtide_engine::Delivery::Signal) {
         println!("(sig: memtide with faults delivered as SIGBUS in the faulting thread, --faults signal; the others use handler threads)");
     }

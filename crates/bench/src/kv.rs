@@ -247,6 +247,12 @@ struct RunRecord {
     gets_verified: u64,
     load_seconds: f64,
     peak_dram: Option<u64>,
+    /// Under memtide: the server's peak resident memory beyond its managed DRAM.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    unmanaged: Option<u64>,
+    /// Linux swap's cgroup limit: the budget plus what memtide's runs kept unmanaged.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cgroup_limit: Option<u64>,
     /// Requests' waits for the device while measuring, per request: memtide's tier-1 faults,
     /// or the major faults of Linux's cgroup (none with everything in DRAM).
     device_faults_per_op: Option<f64>,
@@ -454,9 +460,11 @@ fn one_run(
         _ => None,
     };
     drop(child);
-    let peak_dram = summary::collect(&stats.0)
+    let collected = summary::collect(&stats.0);
+    let peak_dram = collected.main().map(|(s, _)| s.peak_dram_bytes);
+    let unmanaged = collected
         .main()
-        .map(|(s, _)| s.peak_dram_bytes);
+        .map(|(s, _)| s.process_peak_rss_bytes.saturating_sub(s.peak_dram_bytes));
     Ok(RunRecord {
         server: server.name().into(),
         skew,
@@ -468,8 +476,10 @@ fn one_run(
         gets_verified: verified,
         load_seconds,
         peak_dram,
+        unmanaged,
         device_faults_per_op,
         failed: None,
+        cgroup_limit: None,
     })
 }
 
@@ -492,9 +502,11 @@ pub fn run(
     let total = a.reps() * a.skews.len() * configs.len();
     let mut records: Vec<RunRecord> = Vec::new();
     let started = Instant::now();
+    let mut unmanaged = crate::bench::Unmanaged::default();
     for rep in 0..a.reps() {
         for &skew in &a.skews {
-            for (name, _, place, zswap_on) in configs {
+            for (name, budget, place, zswap_on) in configs {
+                let budget = *budget;
                 if crate::bench::interrupted() {
                     bail!("interrupted; settings restored");
                 }
@@ -506,6 +518,14 @@ pub fn run(
                     crate::report::step_label(records.len(), total, started),
                     server.name()
                 );
+                let cgroup_limit = match place {
+                    Placement::Cgroup { procs } => Some(crate::bench::limit_swap(
+                        procs,
+                        crate::bench::budget_bytes(a.footprint, budget * 100.0),
+                        unmanaged.get(budget),
+                    )?),
+                    _ => None,
+                };
                 let mut r = match one_run(a, server, skew, place, &label) {
                     Ok(r) => r,
                     Err(e) if matches!(place, Placement::Cgroup { .. }) => {
@@ -521,6 +541,10 @@ pub fn run(
                 };
                 r.config = name.clone();
                 r.rep = rep;
+                r.cgroup_limit = cgroup_limit;
+                if let Some(u) = r.unmanaged {
+                    unmanaged.saw(budget, u);
+                }
                 if r.failed.is_none() {
                     eprintln!(
                         "{label}: {:.0} ops/s, p50 {:.0} µs, p99 {:.0} µs, {} gets verified",
@@ -601,6 +625,13 @@ pub fn run(
             rows.push(row);
         }
     }
+    crate::bench::print_swap_limits(records.iter().map(|r| {
+        let budget = configs
+            .iter()
+            .find(|c| c.0 == r.config)
+            .map_or(0, |c| crate::bench::budget_bytes(a.footprint, c.1 * 100.0));
+        (r.config.as_str(), budget, r.cgroup_limit)
+    }));
     let mut series = Vec::new();
     for family in ["memtide", "Linux swap", "zswap"] {
         for &skew in &a.skews {
