@@ -338,70 +338,79 @@ pub fn janitor() -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The most memory memtide's runs kept resident beyond their quota, per budget (a fraction of
-/// the footprint), for [`limit_swap`].
-#[derive(Default)]
-pub struct Unmanaged(Vec<(f64, u64)>);
-
-impl Unmanaged {
-    pub fn saw(&mut self, budget: f64, bytes: u64) {
-        match self.0.iter_mut().find(|(b, _)| *b == budget) {
-            Some((_, most)) => *most = (*most).max(bytes),
-            None => self.0.push((budget, bytes)),
-        }
-    }
-
-    pub fn get(&self, budget: f64) -> u64 {
-        self.0
-            .iter()
-            .find(|(b, _)| *b == budget)
-            .map_or(0, |&(_, most)| most)
-    }
-}
-
-/// Says what DRAM Linux swap had: per swap configuration (name, budget, its runs' cgroup
-/// limits), the limit beside the budget.
-pub fn print_swap_limits<'a>(limits: impl Iterator<Item = (&'a str, u64, Option<u64>)>) {
-    let mut seen: Vec<(&str, u64, u64)> = Vec::new();
-    for (name, budget, limit) in limits {
-        let Some(limit) = limit else { continue };
-        match seen.iter_mut().find(|s| s.0 == name) {
-            Some(s) => s.2 = s.2.max(limit),
-            None => seen.push((name, budget, limit)),
-        }
-    }
-    for (name, budget, limit) in seen {
-        println!(
-            "({name}: cgroup limit up to {}, the budget of {} plus the most memory memtide's runs at that budget kept resident beyond their quota, so that both have the same DRAM)",
-            memtide_engine::size::format(limit),
-            memtide_engine::size::format(budget),
-        );
-    }
-}
-
 /// A DRAM budget of `pct`% of `footprint`, in whole MiB.
 pub fn budget_bytes(footprint: u64, pct: f64) -> u64 {
     ((footprint as f64 * pct / 100.0) as u64).next_multiple_of(1 << 20)
 }
 
-/// Linux swap's side of a budget: the same DRAM memtide had. memtide's quota counts only the
-/// memory it manages; what the program keeps resident beyond that (small allocations, stacks,
-/// memtide's own state: `unmanaged`, the most seen in memtide's runs at this budget so far)
-/// is DRAM too, and a memory cgroup counts all of it. Sets the cgroup's limit to the budget
-/// plus that; returns the limit.
-pub fn limit_swap(procs: &Path, budget: u64, unmanaged: u64) -> Result<u64> {
-    let dir = procs
-        .parent()
-        .context("a cgroup's procs file has a directory")?;
-    let file = if dir.join("memory.max").exists() {
-        "memory.max"
-    } else {
-        "memory.limit_in_bytes"
-    };
-    let limit = budget + unmanaged.next_multiple_of(1 << 20);
-    std::fs::write(dir.join(file), limit.to_string())
-        .with_context(|| format!("cannot set the memory limit of {}", dir.display()))?;
-    Ok(limit)
+/// Gives Linux swap the same DRAM memtide had. memtide's quota counts only the memory it
+/// manages; what the program keeps resident beyond that (small allocations, stacks, memtide's
+/// own state) is DRAM too, and a memory cgroup counts all of it. So before each Linux-swap run
+/// its cgroup's limit is set to the budget plus the most memory memtide's runs at that budget
+/// so far kept beyond their quota; the limits are printed under the table.
+pub struct SameDram {
+    footprint: u64,
+    /// The cgroups' limit file (`memory.max` or `memory.limit_in_bytes`); none without swap.
+    limit_file: Option<&'static str>,
+    /// Per budget (a fraction of the footprint): the most memtide kept beyond its quota.
+    unmanaged: Vec<(f64, u64)>,
+    /// Per Linux-swap configuration: its budget and the highest limit it ran under.
+    limits: Vec<(String, u64, u64)>,
+}
+
+impl SameDram {
+    pub fn new(a: &BenchArgs, configs: &Configs) -> SameDram {
+        SameDram {
+            footprint: a.footprint,
+            limit_file: configs.1,
+            unmanaged: Vec::new(),
+            limits: Vec::new(),
+        }
+    }
+
+    /// Before a run of configuration `name` at `budget` in `place`: a Linux-swap run gets its
+    /// limit (returned); others nothing.
+    pub fn before(&mut self, name: &str, budget: f64, place: &Placement) -> Result<Option<u64>> {
+        let (Placement::Cgroup { procs }, Some(file)) = (place, self.limit_file) else {
+            return Ok(None);
+        };
+        let dir = procs
+            .parent()
+            .context("a cgroup's procs file has a directory")?;
+        let beyond = self
+            .unmanaged
+            .iter()
+            .find(|(b, _)| *b == budget)
+            .map_or(0, |&(_, most)| most);
+        let budget = budget_bytes(self.footprint, budget * 100.0);
+        let limit = budget + beyond.next_multiple_of(1 << 20);
+        std::fs::write(dir.join(file), limit.to_string())
+            .with_context(|| format!("cannot set the memory limit of {}", dir.display()))?;
+        match self.limits.iter_mut().find(|l| l.0 == name) {
+            Some(l) => l.2 = l.2.max(limit),
+            None => self.limits.push((name.to_string(), budget, limit)),
+        }
+        Ok(Some(limit))
+    }
+
+    /// A memtide run at `budget` kept `bytes` resident beyond its quota.
+    pub fn saw(&mut self, budget: f64, bytes: u64) {
+        match self.unmanaged.iter_mut().find(|(b, _)| *b == budget) {
+            Some((_, most)) => *most = (*most).max(bytes),
+            None => self.unmanaged.push((budget, bytes)),
+        }
+    }
+
+    /// Says what DRAM each Linux-swap configuration had.
+    pub fn print(&self) {
+        for (name, budget, limit) in &self.limits {
+            println!(
+                "({name}: cgroup limit up to {}, the budget of {} plus the most memory memtide's runs at that budget kept resident beyond their quota, so that both have the same DRAM)",
+                memtide_engine::size::format(*limit),
+                memtide_engine::size::format(*budget),
+            );
+        }
+    }
 }
 
 /// Memory cgroups for tenants run side by side (Linux swap's placement); each run sets the
@@ -808,7 +817,7 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
             }
         }
     }
-    let configs = Configs(configs);
+    let configs = Configs(configs, cg.as_ref().map(|cg| cg.limit_file));
     let mut report = serde_json::Map::new();
     report.insert("footprint".into(), a.footprint.into());
     report.insert("budgets".into(), serde_json::json!(budgets));
@@ -816,8 +825,8 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     for e in &a.experiments {
         let section = match e.as_str() {
             "micro" => micro(&a, &configs, zswap, raw_p50)?,
-            "memcached" => crate::kv::run(&a, crate::kv::Server::Memcached, &configs.0, zswap)?,
-            "redis" => crate::kv::run(&a, crate::kv::Server::Redis, &configs.0, zswap)?,
+            "memcached" => crate::kv::run(&a, crate::kv::Server::Memcached, &configs, zswap)?,
+            "redis" => crate::kv::run(&a, crate::kv::Server::Redis, &configs, zswap)?,
             "quotas" => crate::quotas::quotas(&a)?,
             "density" | "noisy" | "vms" => {
                 if zswap {
@@ -852,8 +861,12 @@ pub fn swap_peer(config: &str, budget: f64) -> Option<String> {
         .then(|| format!("Linux swap {:.0}%", budget * 100.0))
 }
 
-/// Every configuration of a run: name, DRAM budget as a fraction, placement, zswap on.
-pub struct Configs<'a>(pub Vec<(String, f64, Placement<'a>, bool)>);
+/// Every configuration of a run (name, DRAM budget as a fraction, placement, zswap on), and
+/// the Linux-swap cgroups' limit file.
+pub struct Configs<'a>(
+    pub Vec<(String, f64, Placement<'a>, bool)>,
+    pub Option<&'static str>,
+);
 
 /// The microbenchmark: the built-in workload under every configuration.
 fn micro(
@@ -862,11 +875,11 @@ fn micro(
     zswap: bool,
     raw_p50: Option<f64>,
 ) -> Result<serde_json::Value> {
+    let mut same_dram = SameDram::new(a, configs);
     let configs = &configs.0;
     let total_runs = a.reps() * a.workloads.len() * a.threads.len() * configs.len();
     let mut records: Vec<RunRecord> = Vec::new();
     let started = Instant::now();
-    let mut unmanaged = Unmanaged::default();
     for rep in 0..a.reps() {
         for wname in &a.workloads {
             let (hot, hot_share) = workload_shape(wname).expect("checked");
@@ -895,14 +908,7 @@ fn micro(
                         "{} {wname} {threads}t {name}",
                         step_label(records.len(), total_runs, started)
                     );
-                    let cgroup_limit = match place {
-                        Placement::Cgroup { procs } => Some(limit_swap(
-                            procs,
-                            budget_bytes(a.footprint, budget * 100.0),
-                            unmanaged.get(budget),
-                        )?),
-                        _ => None,
-                    };
+                    let cgroup_limit = same_dram.before(name, budget, place)?;
                     let o: Outcome = match run_workload(&label, &w, place) {
                         Ok(o) => o,
                         // Linux may kill a workload in its cgroup (out of memory with the
@@ -955,7 +961,7 @@ fn micro(
                         failed: None,
                     });
                     if let Some(s) = &o.memtide {
-                        unmanaged.saw(budget, o.peak_rss.saturating_sub(s.peak_dram_bytes));
+                        same_dram.saw(budget, o.peak_rss.saturating_sub(s.peak_dram_bytes));
                     }
                 }
             }
@@ -1053,13 +1059,7 @@ fn micro(
     println!(
         "(miss: accesses served from tier 1 or swap, i.e. slower than 20 µs; sampled 1 in 64; miss µs: their p50 as the program waits for them)"
     );
-    print_swap_limits(records.iter().map(|r| {
-        let budget = configs
-            .iter()
-            .find(|c| c.0 == r.config)
-            .map_or(0, |c| budget_bytes(a.footprint, c.1 * 100.0));
-        (r.config.as_str(), budget, r.cgroup_limit)
-    }));
+    same_dram.print();
     if a.faults.contains(&memtide_engine::Delivery::Signal) {
         println!("(sig: memtide with faults delivered as SIGBUS in the faulting thread, --faults signal; the others use handler threads)");
     }

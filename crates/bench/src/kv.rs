@@ -461,10 +461,9 @@ fn one_run(
     };
     drop(child);
     let collected = summary::collect(&stats.0);
-    let peak_dram = collected.main().map(|(s, _)| s.peak_dram_bytes);
-    let unmanaged = collected
-        .main()
-        .map(|(s, _)| s.process_peak_rss_bytes.saturating_sub(s.peak_dram_bytes));
+    let latest = collected.main().map(|(s, _)| s);
+    let peak_dram = latest.map(|s| s.peak_dram_bytes);
+    let unmanaged = latest.map(|s| s.process_peak_rss_bytes.saturating_sub(s.peak_dram_bytes));
     Ok(RunRecord {
         server: server.name().into(),
         skew,
@@ -488,9 +487,11 @@ fn one_run(
 pub fn run(
     a: &BenchArgs,
     server: Server,
-    configs: &[(String, f64, Placement, bool)],
+    configs: &crate::bench::Configs,
     zswap: bool,
 ) -> Result<serde_json::Value> {
+    let mut same_dram = crate::bench::SameDram::new(a, configs);
+    let configs = &configs.0;
     eprintln!(
         "{}: {} of {}-byte values, zipf {:?}, 90% gets / 10% sets, {} connections",
         server.name(),
@@ -502,7 +503,6 @@ pub fn run(
     let total = a.reps() * a.skews.len() * configs.len();
     let mut records: Vec<RunRecord> = Vec::new();
     let started = Instant::now();
-    let mut unmanaged = crate::bench::Unmanaged::default();
     for rep in 0..a.reps() {
         for &skew in &a.skews {
             for (name, budget, place, zswap_on) in configs {
@@ -518,14 +518,7 @@ pub fn run(
                     crate::report::step_label(records.len(), total, started),
                     server.name()
                 );
-                let cgroup_limit = match place {
-                    Placement::Cgroup { procs } => Some(crate::bench::limit_swap(
-                        procs,
-                        crate::bench::budget_bytes(a.footprint, budget * 100.0),
-                        unmanaged.get(budget),
-                    )?),
-                    _ => None,
-                };
+                let cgroup_limit = same_dram.before(name, budget, place)?;
                 let mut r = match one_run(a, server, skew, place, &label) {
                     Ok(r) => r,
                     Err(e) if matches!(place, Placement::Cgroup { .. }) => {
@@ -543,7 +536,7 @@ pub fn run(
                 r.rep = rep;
                 r.cgroup_limit = cgroup_limit;
                 if let Some(u) = r.unmanaged {
-                    unmanaged.saw(budget, u);
+                    same_dram.saw(budget, u);
                 }
                 if r.failed.is_none() {
                     eprintln!(
@@ -625,13 +618,7 @@ pub fn run(
             rows.push(row);
         }
     }
-    crate::bench::print_swap_limits(records.iter().map(|r| {
-        let budget = configs
-            .iter()
-            .find(|c| c.0 == r.config)
-            .map_or(0, |c| crate::bench::budget_bytes(a.footprint, c.1 * 100.0));
-        (r.config.as_str(), budget, r.cgroup_limit)
-    }));
+    same_dram.print();
     let mut series = Vec::new();
     for family in ["memtide", "Linux swap", "zswap"] {
         for &skew in &a.skews {
