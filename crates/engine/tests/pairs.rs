@@ -7,7 +7,7 @@ use memtide_engine::Engine;
 
 mod common;
 
-use common::{engine, PAGE};
+use common::{engine, Rng, PAGE};
 
 /// 4 MiB of DRAM under a block of 64 MiB: almost every page read comes from tier 1.
 const QUOTA: u64 = 4 << 20;
@@ -17,18 +17,6 @@ const READS: u64 = 3000;
 
 fn stamp(i: usize) -> u64 {
     (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1
-}
-
-/// A small xorshift generator: the same pages on every run.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: usize) -> usize {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 % n as u64) as usize
-    }
 }
 
 /// Reads page `i`'s stamp (its last word, where a value that starts on the page before ends).

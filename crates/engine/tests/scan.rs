@@ -11,7 +11,7 @@ mod common;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use common::PAGE;
+use common::{Rng, PAGE};
 use memtide_engine::{Engine, EvictionPolicy};
 
 const PAGES: usize = 10 * 1024;
@@ -29,18 +29,6 @@ fn hot(i: usize) -> bool {
 fn read(base: usize, p: usize) -> u64 {
     // SAFETY: page p lies in managed memory the test allocated.
     unsafe { ((base + p * PAGE) as *const u64).read_volatile() }
-}
-
-/// A small deterministic generator (xorshift).
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: usize) -> usize {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 % n as u64) as usize
-    }
 }
 
 /// Accesses by the worker in one phase: how many went to the hot set, and how many of those

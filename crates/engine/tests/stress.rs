@@ -21,26 +21,16 @@ use std::time::{Duration, Instant};
 
 use memtide_engine::{Config, Engine, EvictionPolicy};
 
+mod common;
+
+use common::Rng;
+
 const PAGE: usize = 4096;
 const QUOTA: u64 = 16 << 20;
 const BLOCKS: usize = 32;
 /// Pages per block at its normal size; blocks may grow to twice this.
 const BLOCK_PAGES: usize = 1024; // 4 MiB; 32 blocks = 128 MiB = 8x the quota
 const LOCKED: u32 = 1 << 31;
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
 
 fn word(gen: u64, page: usize, version: u32, k: usize) -> u64 {
     if version == 0 {

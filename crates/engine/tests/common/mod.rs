@@ -113,3 +113,20 @@ pub fn watchdog(what: &'static str, limit: Duration) -> Watchdog {
     });
     Watchdog(tx)
 }
+
+/// A small deterministic generator (xorshift): the same sequence on every run.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// A number below `n`.
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
