@@ -5,6 +5,24 @@ mod common;
 
 use common::{fails_with, memtide, stderr, Scratch};
 
+/// Runs `memtide sim` with `args`, its JSON written to `<name>.json` and its plot to
+/// `<name>.svg` in `s`; checks that it succeeded and returns its output and the JSON.
+fn sim_json(s: &Scratch, name: &str, args: &[&str]) -> (std::process::Output, serde_json::Value) {
+    let json = s.path().join(format!("{name}.json"));
+    let o = memtide()
+        .arg("sim")
+        .args(args)
+        .arg("--json")
+        .arg(&json)
+        .arg("--plot")
+        .arg(s.path().join(format!("{name}.svg")))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    (o, v)
+}
+
 #[test]
 fn bad_input_is_one_line() {
     fails_with(
@@ -78,25 +96,16 @@ fn csv_and_oracle_general_traces_replay_alike() {
     std::fs::write(s.path().join("t.csv"), csv).unwrap();
     std::fs::write(s.path().join("t.oracleGeneral.bin"), bin).unwrap();
     let run = |file: &str| -> serde_json::Value {
-        let json = s.path().join(format!("{file}.json"));
-        let o = memtide()
-            .args([
-                "sim",
-                "--dram",
-                "10%",
-                "--policy",
-                "lru,s3fifo,memtide",
-                "--trace",
-            ])
-            .arg(s.path().join(file))
-            .arg("--json")
-            .arg(&json)
-            .arg("--plot")
-            .arg(s.path().join("unused.svg"))
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", stderr(&o));
-        serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap()
+        let trace = s.path().join(file);
+        let args = [
+            "--dram",
+            "10%",
+            "--policy",
+            "lru,s3fifo,memtide",
+            "--trace",
+            trace.to_str().unwrap(),
+        ];
+        sim_json(&s, file, &args).1
     };
     let a = run("t.csv");
     let b = run("t.oracleGeneral.bin");
@@ -130,30 +139,23 @@ fn csv_and_oracle_general_traces_replay_alike() {
 #[test]
 fn engine_modelled_policies_are_not_simulated_below_the_engines_smallest_quota() {
     let s = Scratch::new("sim-small");
-    let json = s.path().join("sim.json");
-    let o = memtide()
-        .args([
-            "sim",
+    let (o, v) = sim_json(
+        &s,
+        "sim",
+        &[
             "--workload",
             "zipf:footprint=1MiB,accesses=100k",
             "--dram",
             "4KiB,64KiB",
             "--policy",
             "memtide,memtide-exact,opt",
-            "--json",
-        ])
-        .arg(&json)
-        .arg("--plot")
-        .arg(s.path().join("sim.svg"))
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", stderr(&o));
+        ],
+    );
     assert!(
         stderr(&o).contains("memtide and memtide-v1 are not simulated at 4.00 KiB"),
         "{}",
         stderr(&o)
     );
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let rows: Vec<(String, u64, u64)> = v["results"]
         .as_array()
         .unwrap()
@@ -196,28 +198,21 @@ fn engine_modelled_policies_are_not_simulated_below_the_engines_smallest_quota()
 #[test]
 fn replay_writes_json_with_opt_lowest() {
     let s = Scratch::new("sim");
-    let json = s.path().join("sim.json");
-    let o = memtide()
-        .args([
-            "sim",
+    let (_, v) = sim_json(
+        &s,
+        "sim",
+        &[
             "--workload",
             "hotcold:footprint=256MiB,hot=10%,share=95%,accesses=2M",
             "--dram",
             "25%,50%",
             "--policy",
             "all",
-            "--json",
-        ])
-        .arg(&json)
-        .arg("--plot")
-        .arg(s.path().join("sim.svg"))
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", stderr(&o));
+        ],
+    );
     // The sweep's plot: one line per policy.
     let svg = std::fs::read_to_string(s.path().join("sim.svg")).unwrap();
     assert_eq!(svg.matches("<polyline").count(), 10, "{svg}");
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let rows = v["results"].as_array().unwrap();
     assert_eq!(rows.len(), 20);
     for frac in [0.25, 0.5] {
@@ -253,27 +248,13 @@ fn saved_trace_replays_the_same_and_damage_is_reported() {
     let s = Scratch::new("simtrace");
     let trace = s.path().join("w.mtt");
     let spec = "zipf:footprint=64MiB,skew=0.9,accesses=300K,fill=no";
-    let run = |args: &[&str], json: &std::path::Path| -> serde_json::Value {
-        let o = memtide()
-            .args(["sim", "--dram", "25%", "--policy", "lru,memtide"])
-            .arg("--plot")
-            .arg(s.path().join("unused.svg"))
-            .args(args)
-            .arg("--json")
-            .arg(json)
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", stderr(&o));
-        serde_json::from_slice(&std::fs::read(json).unwrap()).unwrap()
+    let run = |name: &str, args: &[&str]| -> serde_json::Value {
+        let args = [&["--dram", "25%", "--policy", "lru,memtide"], args].concat();
+        sim_json(&s, name, &args).1
     };
-    let a = run(
-        &["--workload", spec, "--save-trace", trace.to_str().unwrap()],
-        &s.path().join("a.json"),
-    );
-    let b = run(
-        &["--trace", trace.to_str().unwrap()],
-        &s.path().join("b.json"),
-    );
+    let trace_arg = trace.to_str().unwrap();
+    let a = run("a", &["--workload", spec, "--save-trace", trace_arg]);
+    let b = run("b", &["--trace", trace_arg]);
     for i in 0..2 {
         assert_eq!(
             a["results"][i]["outcome"]["misses"],
