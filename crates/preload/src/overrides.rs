@@ -894,48 +894,149 @@ pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> s
     unsafe { pinned_iov(iov, cnt, || f(fd, msg, flags)) }
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn fread(
+// ----- stdio's block calls -----
+//
+// glibc's stdio moves a request larger than the stream's buffer straight between the file and
+// the program's buffer, in the kernel (`read`/`write` inside libc, which the wrappers above do
+// not see), and `fputs`/`puts` write a long string the same way. coreutils reach these through
+// the `_unlocked` forms. So each call pins the buffer's managed part, a chunk of whole items at
+// a time with the stream locked across the chunks, so the call stays one call to other threads.
+
+extern "C" {
+    static mut stdout: *mut libc::FILE;
+    fn flockfile(s: *mut libc::FILE);
+    fn funlockfile(s: *mut libc::FILE);
+}
+
+type BlockIo = unsafe extern "C" fn(*mut c_void, size_t, size_t, *mut libc::FILE) -> size_t;
+
+/// Runs the `_unlocked` block call `f` over `n` items of `size` bytes at `p`, pinning the
+/// managed part of the buffer `IO_CHUNK` bytes (whole items, at least one) at a time; stops at
+/// the first short count, as the call itself would. With `lock`, the stream is locked across
+/// the chunks (the locking forms: `fread`, `fwrite`).
+unsafe fn pinned_items(
+    f: BlockIo,
     p: *mut c_void,
     size: size_t,
     n: size_t,
     s: *mut libc::FILE,
+    lock: bool,
 ) -> size_t {
-    let f = real!(
-        "fread",
-        unsafe extern "C" fn(*mut c_void, size_t, size_t, *mut libc::FILE) -> size_t
-    );
-    let total = size.saturating_mul(n);
-    match touches_managed(p, total) {
-        Some(e) => {
-            let _pin = e.pin(p as usize, total);
-            // SAFETY: passed through with the buffer pinned.
-            unsafe { f(p, size, n, s) }
-        }
+    let Some(e) = touches_managed(p, size.saturating_mul(n)) else {
         // SAFETY: passed through.
-        None => unsafe { f(p, size, n, s) },
+        return unsafe { f(p, size, n, s) };
+    };
+    let per = (IO_CHUNK.load(Ordering::Relaxed) / size).max(1);
+    if lock {
+        // SAFETY: `s` is the program's stream, as the call requires.
+        unsafe { flockfile(s) };
+    }
+    let mut done = 0;
+    while done < n {
+        let k = (n - done).min(per);
+        let at = p as usize + done * size;
+        let _pin = e.pin(at, k * size);
+        // SAFETY: a part of the program's buffer, pinned; the stream is the program's.
+        let got = unsafe { f(at as *mut c_void, size, k, s) };
+        done += got;
+        if got < k {
+            break;
+        }
+    }
+    if lock {
+        // SAFETY: locked above.
+        unsafe { funlockfile(s) };
+    }
+    done
+}
+
+/// The four block calls: `fread`, `fwrite` and their `_unlocked` forms, each forwarding to
+/// libc's `_unlocked` form through `pinned_items`.
+macro_rules! block_io {
+    ($name:ident, $ptr:ty, $unlocked:literal, $lock:expr) => {
+        #[no_mangle]
+        pub unsafe extern "C" fn $name(
+            p: $ptr,
+            size: size_t,
+            n: size_t,
+            s: *mut libc::FILE,
+        ) -> size_t {
+            let f = real!($unlocked, BlockIo);
+            // SAFETY: the program's buffer and stream, passed through.
+            unsafe { pinned_items(f, p as *mut c_void, size, n, s, $lock) }
+        }
+    };
+}
+
+block_io!(fread, *mut c_void, "fread_unlocked", true);
+block_io!(fread_unlocked, *mut c_void, "fread_unlocked", false);
+block_io!(fwrite, *const c_void, "fwrite_unlocked", true);
+block_io!(fwrite_unlocked, *const c_void, "fwrite_unlocked", false);
+
+/// `fputs` (and `puts`, which adds a newline) of a managed string: written as `fwrite` of its
+/// bytes, pinned in chunks, under the stream's lock; libc's own call for any other string.
+unsafe fn pinned_puts(text: *const c_char, s: *mut libc::FILE, newline: bool, lock: bool) -> c_int {
+    // SAFETY: a NUL-terminated string, as the call requires; reading it in user space faults
+    // its pages in as any access would.
+    let len = unsafe { libc::strlen(text) };
+    let w = real!("fwrite_unlocked", BlockIo);
+    if lock {
+        // SAFETY: the program's stream.
+        unsafe { flockfile(s) };
+    }
+    // SAFETY: the string's bytes and the program's stream.
+    let mut ok = unsafe { pinned_items(w, text as *mut c_void, 1, len, s, false) } == len;
+    if ok && newline {
+        // SAFETY: as above.
+        ok = unsafe { libc::fputc(b'\n' as c_int, s) } != libc::EOF;
+    }
+    if lock {
+        // SAFETY: locked above.
+        unsafe { funlockfile(s) };
+    }
+    // What glibc returns: 1 from `fputs`, the bytes written from `puts`.
+    match (ok, newline) {
+        (false, _) => libc::EOF,
+        (true, false) => 1,
+        (true, true) => len.saturating_add(1).min(c_int::MAX as usize) as c_int,
     }
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn fwrite(
-    p: *const c_void,
-    size: size_t,
-    n: size_t,
-    s: *mut libc::FILE,
-) -> size_t {
-    let f = real!(
-        "fwrite",
-        unsafe extern "C" fn(*const c_void, size_t, size_t, *mut libc::FILE) -> size_t
-    );
-    let total = size.saturating_mul(n);
-    match touches_managed(p, total) {
-        Some(e) => {
-            let _pin = e.pin(p as usize, total);
-            // SAFETY: passed through with the buffer pinned.
-            unsafe { f(p, size, n, s) }
-        }
+pub unsafe extern "C" fn fputs(text: *const c_char, s: *mut libc::FILE) -> c_int {
+    if touches_managed(text as *const c_void, 1).is_none() {
+        let f = real!(
+            "fputs",
+            unsafe extern "C" fn(*const c_char, *mut libc::FILE) -> c_int
+        );
         // SAFETY: passed through.
-        None => unsafe { f(p, size, n, s) },
+        return unsafe { f(text, s) };
     }
+    // SAFETY: the program's string and stream.
+    unsafe { pinned_puts(text, s, false, true) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fputs_unlocked(text: *const c_char, s: *mut libc::FILE) -> c_int {
+    if touches_managed(text as *const c_void, 1).is_none() {
+        let f = real!(
+            "fputs_unlocked",
+            unsafe extern "C" fn(*const c_char, *mut libc::FILE) -> c_int
+        );
+        // SAFETY: passed through.
+        return unsafe { f(text, s) };
+    }
+    // SAFETY: the program's string and stream.
+    unsafe { pinned_puts(text, s, false, false) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn puts(text: *const c_char) -> c_int {
+    if touches_managed(text as *const c_void, 1).is_none() {
+        let f = real!("puts", unsafe extern "C" fn(*const c_char) -> c_int);
+        // SAFETY: passed through.
+        return unsafe { f(text) };
+    }
+    // SAFETY: libc's stdout, read once; the program's string.
+    unsafe { pinned_puts(text, stdout, true, true) }
 }
