@@ -343,6 +343,19 @@ pub fn budget_bytes(footprint: u64, pct: f64) -> u64 {
     ((footprint as f64 * pct / 100.0) as u64).next_multiple_of(1 << 20)
 }
 
+/// What a memtide run kept in DRAM beyond its managed pages, as a memory cgroup would count it
+/// for Linux swap: its peak anonymous memory and page tables less its peak managed DRAM. The
+/// program's and libraries' file pages are left out: the page cache already held them, so the
+/// swap run's cgroup is not charged for them (VmHWM counts them: 10 MiB for redis). Statistics
+/// from before that figure existed fall back to `peak_rss` (VmHWM).
+pub fn beyond_quota(s: &memtide_engine::Snapshot, peak_rss: u64) -> u64 {
+    let resident = match s.process_peak_anon_bytes {
+        0 => peak_rss,
+        anon => anon,
+    };
+    resident.saturating_sub(s.peak_dram_bytes)
+}
+
 /// Gives Linux swap the same DRAM memtide had. memtide's quota counts only the memory it
 /// manages; what the program keeps resident beyond that (small allocations, stacks, memtide's
 /// own state) is DRAM too, and a memory cgroup counts all of it. So before each Linux-swap run
@@ -393,7 +406,7 @@ impl SameDram {
         Ok(Some(limit))
     }
 
-    /// A memtide run at `budget` kept `bytes` resident beyond its quota.
+    /// A memtide run at `budget` kept `bytes` beyond its quota (see [`beyond_quota`]).
     pub fn saw(&mut self, budget: f64, bytes: u64) {
         match self.unmanaged.iter_mut().find(|(b, _)| *b == budget) {
             Some((_, most)) => *most = (*most).max(bytes),
@@ -405,7 +418,7 @@ impl SameDram {
     pub fn print(&self) {
         for (name, budget, limit) in &self.limits {
             println!(
-                "({name}: cgroup limit up to {}, the budget of {} plus the most memory memtide's runs at that budget kept resident beyond their quota, so that both have the same DRAM)",
+                "({name}: cgroup limit up to {}, the budget of {} plus the most anonymous memory memtide's runs at that budget kept beyond their quota, so that both have the same DRAM)",
                 memtide_engine::size::format(*limit),
                 memtide_engine::size::format(*budget),
             );
@@ -961,7 +974,7 @@ fn micro(
                         failed: None,
                     });
                     if let Some(s) = &o.memtide {
-                        same_dram.saw(budget, o.peak_rss.saturating_sub(s.peak_dram_bytes));
+                        same_dram.saw(budget, beyond_quota(s, o.peak_rss));
                     }
                 }
             }

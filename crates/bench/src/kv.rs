@@ -247,7 +247,7 @@ struct RunRecord {
     gets_verified: u64,
     load_seconds: f64,
     peak_dram: Option<u64>,
-    /// Under memtide: the server's peak resident memory beyond its managed DRAM.
+    /// Under memtide: the server's peak anonymous memory beyond its managed DRAM.
     #[serde(skip_serializing_if = "Option::is_none")]
     unmanaged: Option<u64>,
     /// Linux swap's cgroup limit: the budget plus what memtide's runs kept unmanaged.
@@ -463,7 +463,7 @@ fn one_run(
     let collected = summary::collect(&stats.0);
     let latest = collected.main().map(|(s, _)| s);
     let peak_dram = latest.map(|s| s.peak_dram_bytes);
-    let unmanaged = latest.map(|s| s.process_peak_rss_bytes.saturating_sub(s.peak_dram_bytes));
+    let unmanaged = latest.map(|s| crate::bench::beyond_quota(s, s.process_peak_rss_bytes));
     Ok(RunRecord {
         server: server.name().into(),
         skew,

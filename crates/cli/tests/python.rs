@@ -72,6 +72,15 @@ fn python_bytearray_matches_untiered_run() {
         st["peak_dram_bytes"].as_u64().unwrap() <= (512 << 20) + (2 << 20),
         "DRAM stayed within the budget plus slack: {st}"
     );
+    // The anonymous peak, which the bench gives Linux swap's cgroup: at least the managed
+    // pages in DRAM (anonymous), at most the resident peak plus page tables (2 GiB mapped
+    // needs 4 MiB of them).
+    let anon = st["process_peak_anon_bytes"].as_u64().unwrap();
+    assert!(
+        anon >= st["peak_dram_bytes"].as_u64().unwrap()
+            && anon <= st["process_peak_rss_bytes"].as_u64().unwrap() + (8 << 20),
+        "anonymous peak between the DRAM peak and the resident peak: {st}"
+    );
     let err = stderr(&tiered);
     assert!(
         err.contains("tier 1") && err.contains("promotions"),

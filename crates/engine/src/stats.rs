@@ -159,6 +159,9 @@ pub struct Counters {
     pub scan_cpu_ns: AtomicU64,
     pub evict_cpu_ns: AtomicU64,
     pub peak_resident_pages: AtomicU64,
+    /// The most anonymous memory and page tables the process held when a snapshot was taken
+    /// (see [`Snapshot::process_peak_anon_bytes`]).
+    pub peak_process_anon_bytes: AtomicU64,
     pub active_pages: AtomicU64,
     /// Pages of memory currently allocated to the program in managed regions (reservations
     /// not yet committed included).
@@ -212,6 +215,12 @@ pub struct Snapshot {
     /// The process's peak resident size so far (VmHWM).
     #[serde(default)]
     pub process_peak_rss_bytes: u64,
+    /// The most anonymous resident memory plus page tables (RssAnon + RssShmem + VmPTE) seen
+    /// at any snapshot so far: what a memory cgroup charges this process for, unlike VmHWM,
+    /// which also counts the pages of its program and libraries that the page cache already
+    /// held (0 in statistics from before this field).
+    #[serde(default)]
+    pub process_peak_anon_bytes: u64,
     #[serde(default)]
     pub discarded_bytes: u64,
     pub faults_zero: u64,

@@ -537,6 +537,10 @@ impl Engine {
             active_bytes: r(&c.active_pages) * page,
             process_rss_bytes: process_rss_bytes(),
             process_peak_rss_bytes: process_peak_rss_bytes(),
+            process_peak_anon_bytes: {
+                Counters::peak(&c.peak_process_anon_bytes, process_anon_bytes());
+                r(&c.peak_process_anon_bytes)
+            },
             discarded_bytes: r(&c.discarded_pages) * page,
             faults_zero: r(&c.faults_zero),
             faults_tier: r(&c.faults_tier),
@@ -718,15 +722,33 @@ fn prepare(uffd: &Uffd, addr: usize, len: usize) -> io::Result<()> {
     uffd.register(addr, len)
 }
 
+/// The sum of these fields of /proc/self/status (in KiB there), in bytes; 0 if unknown.
+fn status_bytes(fields: &[&str]) -> u64 {
+    let Ok(s) = std::fs::read_to_string("/proc/self/status") else {
+        return 0;
+    };
+    let kib: u64 = s
+        .lines()
+        .filter_map(|l| {
+            let (name, rest) = l.split_once(':')?;
+            if !fields.contains(&name) {
+                return None;
+            }
+            rest.split_whitespace().next()?.parse::<u64>().ok()
+        })
+        .sum();
+    kib * 1024
+}
+
 /// The process's peak resident size (VmHWM), or 0 if unknown.
 pub fn process_peak_rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
-            line.split_whitespace().nth(1)?.parse::<u64>().ok()
-        })
-        .map_or(0, |kib| kib * 1024)
+    status_bytes(&["VmHWM"])
+}
+
+/// The process's anonymous and shared-memory resident bytes and its page tables now: what a
+/// memory cgroup charges it for, besides page cache it brought in itself.
+fn process_anon_bytes() -> u64 {
+    status_bytes(&["RssAnon", "RssShmem", "VmPTE"])
 }
 
 impl FaultHandler for Engine {
