@@ -11,7 +11,7 @@ use clap::Args;
 use memtide_engine::size;
 use memtide_sim::import::{self, Format};
 use memtide_sim::trace::{Record, Writer};
-use memtide_sim::{simulate, Job, Latency, Source, Spec, ALL_POLICIES, KNOWN_POLICIES};
+use memtide_sim::{simulate, Job, Latency, Outcome, Source, Spec, ALL_POLICIES, KNOWN_POLICIES};
 
 use memtide_bench::opts;
 
@@ -44,6 +44,12 @@ pub struct SimArgs {
     pub corpus_accesses: Option<String>,
     #[arg(long)]
     pub corpus_warmup: Option<String>,
+    /// With --corpus: replay every family with seeds 1..=N (default 1) and compare misses
+    /// summed over them; each row then says whether memtide's excess over the best policy is
+    /// beyond twice its standard error across the seeds (the `2se` column), and so more than
+    /// the noise of one run.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1000))]
+    pub corpus_seeds: Option<u64>,
     /// Replay a recorded trace instead of a synthetic workload: memtide's .mtt, libCacheSim's
     /// oracleGeneral (uncompressed), or CSV (see --trace-format).
     #[arg(long)]
@@ -166,8 +172,10 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
         bail!("--save-trace writes the accesses of a --workload");
     }
     let corpus_sizes = [&a.corpus_footprint, &a.corpus_accesses, &a.corpus_warmup];
-    if !a.corpus && corpus_sizes.iter().any(|o| o.is_some()) {
-        bail!("--corpus-footprint, --corpus-accesses and --corpus-warmup shape --corpus");
+    if !a.corpus && (corpus_sizes.iter().any(|o| o.is_some()) || a.corpus_seeds.is_some()) {
+        bail!(
+            "--corpus-footprint, --corpus-accesses, --corpus-warmup and --corpus-seeds shape --corpus"
+        );
     }
     if a.corpus {
         return corpus(&a);
@@ -464,6 +472,26 @@ const ENGINE_MIN_PAGES: u64 = 16;
 /// The online policies memtide's is measured against: each sees every access.
 const ONLINE: [&str; 6] = ["lru", "clock", "arc", "2q", "s3fifo", "sieve"];
 
+/// The mean of `xs` and its standard error (0 for fewer than two values).
+fn mean_and_standard_error(xs: &[f64]) -> (f64, f64) {
+    let n = xs.len() as f64;
+    let mean = xs.iter().sum::<f64>() / n.max(1.0);
+    if xs.len() < 2 {
+        return (mean, 0.0);
+    }
+    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0);
+    (mean, (var / n).sqrt())
+}
+
+/// Misses `m` against `best`'s, as a ratio (1 when both are 0).
+fn vs(m: u64, best: u64) -> f64 {
+    match (m, best) {
+        (0, _) => 1.0,
+        (m, 0) => m as f64,
+        (m, b) => m as f64 / b as f64,
+    }
+}
+
 fn corpus(a: &SimArgs) -> Result<ExitCode> {
     let drams: Vec<String> = if a.dram.is_empty() {
         ["10%", "25%", "50%", "75%"].map(String::from).to_vec()
@@ -472,13 +500,27 @@ fn corpus(a: &SimArgs) -> Result<ExitCode> {
     };
     let lat = latency(a)?;
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let seeds = a.corpus_seeds.unwrap_or(1);
     println!(
-        "{:<44} {:>5} {:>8} {:>9} {:>9} {:>8} {:>8} {:>7} {:>7}",
-        "workload", "DRAM", "best", "best %", "memtide %", "ratio", "soft/acc", "time", "engine"
+        "{:<44} {:>5} {:>8} {:>9} {:>9} {:>8} {:>8} {:>7} {:>7}{}",
+        "workload",
+        "DRAM",
+        "best",
+        "best %",
+        "memtide %",
+        "ratio",
+        "soft/acc",
+        "time",
+        "engine",
+        if seeds > 1 { "     2se" } else { "" }
     );
+    let mut significant_losses = 0;
     let start = std::time::Instant::now();
     let (mut rows, mut worst, mut log_sum, mut at_or_below) = (Vec::new(), 0f64, 0f64, 0);
     let (mut time_log_sum, mut engine_log_sum, mut engine_at_or_below) = (0f64, 0f64, 0);
+    // Each online policy against the best of the other five, row by row: how high the bar
+    // memtide is held to stands for them too.
+    let mut peers = [(0usize, 0f64, 0f64); ONLINE.len()];
     for family in CORPUS {
         let (kind, rest) = family.split_once(':').unwrap_or((family, ""));
         let spec = format!(
@@ -491,8 +533,7 @@ fn corpus(a: &SimArgs) -> Result<ExitCode> {
         let s = Spec::parse(&spec, 4096, |v| size::parse(v).ok())
             .map_err(|e| anyhow::anyhow!("--corpus-*: {e}"))?;
         let label = s.to_string();
-        let src = Source::Spec(s);
-        let pages = src.pages();
+        let pages = Source::Spec(s.clone()).pages();
         let sizes: Vec<u64> = drams
             .iter()
             .map(|d| parse_dram(d, pages))
@@ -509,12 +550,25 @@ fn corpus(a: &SimArgs) -> Result<ExitCode> {
                     })
             })
             .collect();
-        let out = simulate(&src, &jobs, &lat, threads, &|_, _| {})?;
+        // The same family with each seed (1 is the default); outcomes are summed over them.
+        let mut by_seed = Vec::new();
+        for seed in 1..=seeds {
+            let src = Source::Spec(Spec { seed, ..s.clone() });
+            by_seed.push(simulate(&src, &jobs, &lat, threads, &|_, _| {})?);
+        }
         for &d in &sizes {
-            let at: Vec<_> = out
-                .iter()
-                .filter(|o| o.dram_pages == d.min(pages))
-                .collect();
+            let here = |out: &[Outcome]| -> Vec<Outcome> {
+                out.iter()
+                    .filter(|o| o.dram_pages == d.min(pages))
+                    .cloned()
+                    .collect()
+            };
+            let mut at = here(&by_seed[0]);
+            for out in &by_seed[1..] {
+                for (sum, o) in at.iter_mut().zip(here(out)) {
+                    sum.add(&o);
+                }
+            }
             let find = |name: &str| at.iter().find(|o| o.policy == name).expect("memtide ran");
             let (mt, engine) = (find("memtide-exact"), find("memtide"));
             let best = at
@@ -522,11 +576,26 @@ fn corpus(a: &SimArgs) -> Result<ExitCode> {
                 .filter(|o| !o.policy.starts_with("memtide"))
                 .min_by_key(|o| o.misses)
                 .expect("online policies ran");
-            let vs_best = |m: u64| match (m, best.misses) {
-                (0, _) => 1.0,
-                (m, 0) => m as f64,
-                (m, b) => m as f64 / b as f64,
-            };
+            // With several seeds: memtide's misses less the best policy's, seed by seed, and
+            // whether their mean exceeds twice its standard error (a loss beyond the noise).
+            let diffs: Vec<f64> = by_seed
+                .iter()
+                .map(|out| {
+                    let m = |name: &str| {
+                        here(out)
+                            .iter()
+                            .find(|o| o.policy == name)
+                            .map_or(0, |o| o.misses) as f64
+                    };
+                    m("memtide-exact") - m(&best.policy)
+                })
+                .collect();
+            let (mean, se) = mean_and_standard_error(&diffs);
+            let significant = seeds > 1 && mean > 2.0 * se;
+            if significant {
+                significant_losses += 1;
+            }
+            let vs_best = |m: u64| vs(m, best.misses);
             let ratio = vs_best(mt.misses);
             let engine_ratio = vs_best(engine.misses);
             engine_log_sum += engine_ratio.ln();
@@ -538,12 +607,28 @@ fn corpus(a: &SimArgs) -> Result<ExitCode> {
             if mt.misses <= best.misses {
                 at_or_below += 1;
             }
+            for (k, name) in ONLINE.iter().enumerate() {
+                let own = find(name).misses;
+                let others = at
+                    .iter()
+                    .filter(|o| !o.policy.starts_with("memtide") && o.policy != *name)
+                    .map(|o| o.misses)
+                    .min()
+                    .expect("other online policies ran");
+                let r = vs(own, others);
+                peers[k].0 += usize::from(own <= others);
+                peers[k].1 += r.ln();
+                peers[k].2 = peers[k].2.max(r);
+            }
             let soft = mt.soft_faults as f64 / mt.accesses.max(1) as f64;
             // Estimated time against the best policy's, hint faults included.
             let time = mt.slowdown(&lat) / best.slowdown(&lat);
             time_log_sum += time.ln();
+            // Twice the standard error of memtide's excess, as a share of the best policy's
+            // misses per seed; `!` marks a loss beyond it.
+            let noise = 2.0 * se / (best.misses as f64 / seeds as f64).max(1.0);
             println!(
-                "{:<44} {:>5} {:>8} {:>8.3}% {:>8.3}% {:>7.3}x {:>7.1}% {:>6.3}x {:>6.3}x",
+                "{:<44} {:>5} {:>8} {:>8.3}% {:>8.3}% {:>7.3}x {:>7.1}% {:>6.3}x {:>6.3}x{}",
                 short_label(&label),
                 format!("{:.0}%", d as f64 / pages as f64 * 100.0),
                 best.policy,
@@ -552,7 +637,11 @@ fn corpus(a: &SimArgs) -> Result<ExitCode> {
                 ratio,
                 soft * 100.0,
                 time,
-                engine_ratio
+                engine_ratio,
+                match (seeds > 1, significant) {
+                    (false, _) => String::new(),
+                    (true, sig) => format!(" {:>6.3}{}", noise, if sig { "!" } else { "" }),
+                }
             );
             rows.push(serde_json::json!({
                 "workload": label,
@@ -562,6 +651,9 @@ fn corpus(a: &SimArgs) -> Result<ExitCode> {
                 "memtide_vs_best": ratio,
                 "memtide_time_vs_best": time,
                 "engine_vs_best": engine_ratio,
+                "seeds": seeds,
+                "memtide_excess_by_seed": diffs,
+                "loss_beyond_noise": significant,
             }));
         }
     }
@@ -585,13 +677,41 @@ fn corpus(a: &SimArgs) -> Result<ExitCode> {
         lat.dram_ns,
         (time_log_sum / n as f64).exp()
     );
+    if seeds > 1 {
+        println!(
+            "misses summed over seeds 1..={seeds}; memtide's excess over the best policy is beyond \
+             twice its standard error across the seeds (`!`) on {significant_losses} of {n} rows"
+        );
+    }
+    println!("each online policy against the best of the other five, for comparison:");
+    for (name, (at, log, worst)) in ONLINE.iter().zip(peers) {
+        println!(
+            "  {name:<7} at or below on {at:>2} of {n}; worst {worst:.3}x, geometric mean {:.3}x",
+            (log / n as f64).exp()
+        );
+    }
     println!(
         "memtide sees what the engine sees (first touches, misses, hint faults on pages it \
          staged: soft/acc); the others see every access; memtide % and ratio are at the same \
          DRAM as the others (memtide-exact)"
     );
     if let Some(p) = &a.json {
-        memtide_bench::report::write_json(p, &serde_json::json!({ "rows": rows }))?;
+        let peers: Vec<_> = ONLINE
+            .iter()
+            .zip(peers)
+            .map(|(name, (at, log, worst))| {
+                serde_json::json!({
+                    "policy": name,
+                    "rows_at_or_below_the_others": at,
+                    "geometric_mean_vs_the_others": (log / n as f64).exp(),
+                    "worst_vs_the_others": worst,
+                })
+            })
+            .collect();
+        memtide_bench::report::write_json(
+            p,
+            &serde_json::json!({ "rows": rows, "online_vs_the_others": peers }),
+        )?;
     }
     Ok(ExitCode::SUCCESS)
 }

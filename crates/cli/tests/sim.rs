@@ -64,6 +64,14 @@ fn bad_input_is_one_line() {
         &["sim", "--workload", "uniform", "--corpus-footprint", "2GiB"],
         "shape --corpus",
     );
+    fails_with(
+        &["sim", "--workload", "uniform", "--corpus-seeds", "3"],
+        "shape --corpus",
+    );
+    fails_with(
+        &["sim", "--corpus", "--corpus-seeds", "0"],
+        "--corpus-seeds",
+    );
 }
 
 #[test]
@@ -271,6 +279,79 @@ fn saved_trace_replays_the_same_and_damage_is_reported() {
     fails_with(&["sim", "--trace", trace.to_str().unwrap()], "corrupted");
 }
 
+/// `--corpus-seeds`: misses are summed over the seeds, and a row's loss is marked beyond the
+/// noise exactly when memtide's mean excess over the best policy exceeds twice its standard
+/// error across the seeds.
+#[test]
+fn corpus_over_several_seeds_sums_misses_and_marks_losses_beyond_the_noise() {
+    let s = Scratch::new("sim-corpus-seeds");
+    let json = s.path().join("corpus.json");
+    let o = memtide()
+        .args([
+            "sim",
+            "--corpus",
+            "--corpus-footprint",
+            "8MiB",
+            "--corpus-accesses",
+            "100K",
+            "--corpus-warmup",
+            "100K",
+            "--corpus-seeds",
+            "3",
+            "--dram",
+            "25%",
+            "--json",
+        ])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 12);
+    let mut marked = 0;
+    for r in rows {
+        assert_eq!(r["seeds"], 3);
+        let d: Vec<f64> = r["memtide_excess_by_seed"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        assert_eq!(d.len(), 3);
+        let misses = |p: &str| -> f64 {
+            r["outcomes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|o| o["policy"] == p)
+                .unwrap()["misses"]
+                .as_f64()
+                .unwrap()
+        };
+        let best = r["best_online"].as_str().unwrap();
+        // The outcomes are the sums over the seeds: the excesses add up to their difference.
+        assert!(
+            (d.iter().sum::<f64>() - (misses("memtide-exact") - misses(best))).abs() < 1e-6,
+            "{r}"
+        );
+        let mean = d.iter().sum::<f64>() / 3.0;
+        let se = (d.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / 2.0 / 3.0).sqrt();
+        assert_eq!(r["loss_beyond_noise"], mean > 2.0 * se, "{r}");
+        marked += usize::from(mean > 2.0 * se);
+    }
+    assert!(
+        out.contains(&format!("(`!`) on {marked} of 12 rows")),
+        "{out}"
+    );
+    assert_eq!(
+        out.lines().filter(|l| l.ends_with('!')).count(),
+        marked,
+        "{out}"
+    );
+}
+
 #[test]
 fn corpus_compares_memtide_with_the_best_online_policy_on_every_row() {
     let s = Scratch::new("sim-corpus");
@@ -324,4 +405,44 @@ fn corpus_compares_memtide_with_the_best_online_policy_on_every_row() {
         }
         assert!(r["memtide_time_vs_best"].as_f64().unwrap() > 0.0);
     }
+    // Each online policy against the best of the other five, recounted from the rows.
+    let online = ["lru", "clock", "arc", "2q", "s3fifo", "sieve"];
+    let peers = v["online_vs_the_others"].as_array().unwrap();
+    assert_eq!(peers.len(), online.len());
+    for (p, peer) in online.iter().zip(peers) {
+        assert_eq!(peer["policy"], *p);
+        let (mut at, mut worst) = (0, 0f64);
+        for r in rows {
+            let misses = |q: &str| -> u64 {
+                r["outcomes"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|o| o["policy"] == q)
+                    .unwrap()["misses"]
+                    .as_u64()
+                    .unwrap()
+            };
+            let others = online
+                .iter()
+                .filter(|q| *q != p)
+                .map(|q| misses(q))
+                .min()
+                .unwrap();
+            at += usize::from(misses(p) <= others);
+            if others > 0 {
+                worst = worst.max(misses(p) as f64 / others as f64);
+            }
+        }
+        assert_eq!(peer["rows_at_or_below_the_others"], at, "{peer}");
+        let got = peer["worst_vs_the_others"].as_f64().unwrap();
+        assert!(
+            (got - worst).abs() < 1e-9 || worst == 0.0,
+            "{peer}: worst {worst}"
+        );
+    }
+    assert!(
+        out.contains("each online policy against the best of the other five"),
+        "{out}"
+    );
 }

@@ -417,6 +417,27 @@ impl Outcome {
         (base + self.misses as f64 * lat.tier_ns + self.soft_faults as f64 * lat.soft_ns) / base
     }
 
+    /// Adds the counts of `o`, the same policy at the same size on another run (another seed),
+    /// to these.
+    pub fn add(&mut self, o: &Outcome) {
+        self.accesses += o.accesses;
+        self.first_touches += o.first_touches;
+        self.misses += o.misses;
+        self.soft_faults += o.soft_faults;
+        self.demotions += o.demotions;
+        self.writebacks += o.writebacks;
+        self.state_bytes = self.state_bytes.max(o.state_bytes);
+        for (mine, theirs) in [
+            (&mut self.tenant_accesses, &o.tenant_accesses),
+            (&mut self.tenant_misses, &o.tenant_misses),
+        ] {
+            mine.resize(mine.len().max(theirs.len()), 0);
+            for (m, t) in mine.iter_mut().zip(theirs) {
+                *m += t;
+            }
+        }
+    }
+
     /// Misses per access; a first touch is not a miss (it reads zeros, no tier-1 read).
     pub fn miss_ratio(&self) -> f64 {
         self.misses as f64 / self.accesses.max(1) as f64
