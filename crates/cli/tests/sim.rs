@@ -23,6 +23,22 @@ fn sim_json(s: &Scratch, name: &str, args: &[&str]) -> (std::process::Output, se
     (o, v)
 }
 
+/// Runs `memtide sim --corpus` with `args` and its JSON written; returns the printed table and
+/// the JSON.
+fn corpus_json(s: &Scratch, args: &[&str]) -> (String, serde_json::Value) {
+    let json = s.path().join("corpus.json");
+    let o = memtide()
+        .args(["sim", "--corpus"])
+        .args(args)
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    (String::from_utf8_lossy(&o.stdout).into_owned(), v)
+}
+
 #[test]
 fn bad_input_is_one_line() {
     fails_with(
@@ -285,11 +301,9 @@ fn saved_trace_replays_the_same_and_damage_is_reported() {
 #[test]
 fn corpus_over_several_seeds_sums_misses_and_marks_losses_beyond_the_noise() {
     let s = Scratch::new("sim-corpus-seeds");
-    let json = s.path().join("corpus.json");
-    let o = memtide()
-        .args([
-            "sim",
-            "--corpus",
+    let (out, v) = corpus_json(
+        &s,
+        &[
             "--corpus-footprint",
             "8MiB",
             "--corpus-accesses",
@@ -300,14 +314,8 @@ fn corpus_over_several_seeds_sums_misses_and_marks_losses_beyond_the_noise() {
             "3",
             "--dram",
             "25%",
-            "--json",
-        ])
-        .arg(&json)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", stderr(&o));
-    let out = String::from_utf8_lossy(&o.stdout);
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+        ],
+    );
     let rows = v["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 12);
     let mut marked = 0;
@@ -355,11 +363,9 @@ fn corpus_over_several_seeds_sums_misses_and_marks_losses_beyond_the_noise() {
 #[test]
 fn corpus_compares_memtide_with_the_best_online_policy_on_every_row() {
     let s = Scratch::new("sim-corpus");
-    let json = s.path().join("corpus.json");
-    let o = memtide()
-        .args([
-            "sim",
-            "--corpus",
+    let (out, v) = corpus_json(
+        &s,
+        &[
             "--corpus-footprint",
             "16MiB",
             "--corpus-accesses",
@@ -368,15 +374,9 @@ fn corpus_compares_memtide_with_the_best_online_policy_on_every_row() {
             "200K",
             "--dram",
             "25%,50%",
-            "--json",
-        ])
-        .arg(&json)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", stderr(&o));
-    let out = String::from_utf8_lossy(&o.stdout);
+        ],
+    );
     assert!(out.contains("of 24 rows"), "{out}");
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let rows = v["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 24, "12 families at 2 DRAM sizes");
     for r in rows {

@@ -1002,33 +1002,27 @@ unsafe fn pinned_puts(text: *const c_char, s: *mut libc::FILE, newline: bool, lo
     }
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn fputs(text: *const c_char, s: *mut libc::FILE) -> c_int {
-    if touches_managed(text as *const c_void, 1).is_none() {
-        let f = real!(
-            "fputs",
-            unsafe extern "C" fn(*const c_char, *mut libc::FILE) -> c_int
-        );
-        // SAFETY: passed through.
-        return unsafe { f(text, s) };
-    }
-    // SAFETY: the program's string and stream.
-    unsafe { pinned_puts(text, s, false, true) }
+/// `fputs` and `fputs_unlocked`: libc's own call unless the string is managed memory.
+macro_rules! puts_io {
+    ($name:ident, $real:literal, $lock:expr) => {
+        #[no_mangle]
+        pub unsafe extern "C" fn $name(text: *const c_char, s: *mut libc::FILE) -> c_int {
+            if touches_managed(text as *const c_void, 1).is_none() {
+                let f = real!(
+                    $real,
+                    unsafe extern "C" fn(*const c_char, *mut libc::FILE) -> c_int
+                );
+                // SAFETY: passed through.
+                return unsafe { f(text, s) };
+            }
+            // SAFETY: the program's string and stream.
+            unsafe { pinned_puts(text, s, false, $lock) }
+        }
+    };
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn fputs_unlocked(text: *const c_char, s: *mut libc::FILE) -> c_int {
-    if touches_managed(text as *const c_void, 1).is_none() {
-        let f = real!(
-            "fputs_unlocked",
-            unsafe extern "C" fn(*const c_char, *mut libc::FILE) -> c_int
-        );
-        // SAFETY: passed through.
-        return unsafe { f(text, s) };
-    }
-    // SAFETY: the program's string and stream.
-    unsafe { pinned_puts(text, s, false, false) }
-}
+puts_io!(fputs, "fputs", true);
+puts_io!(fputs_unlocked, "fputs_unlocked", false);
 
 #[no_mangle]
 pub unsafe extern "C" fn puts(text: *const c_char) -> c_int {
