@@ -910,11 +910,13 @@ extern "C" {
 
 type BlockIo = unsafe extern "C" fn(*mut c_void, size_t, size_t, *mut libc::FILE) -> size_t;
 
-/// Runs the `_unlocked` block call `f` over `n` items of `size` bytes at `p`, pinning the
-/// managed part of the buffer `IO_CHUNK` bytes (whole items, at least one) at a time; stops at
-/// the first short count, as the call itself would. With `lock`, the stream is locked across
-/// the chunks (the locking forms: `fread`, `fwrite`).
+/// A block call over `n` items of `size` bytes at `p`: libc's own call `direct` when the buffer
+/// is not managed memory; otherwise its `_unlocked` form `f`, pinning the managed part of the
+/// buffer `IO_CHUNK` bytes (whole items, at least one) at a time and stopping at the first
+/// short count, as the call itself would. With `lock`, the stream is locked across the chunks
+/// (the locking forms: `fread`, `fwrite`).
 unsafe fn pinned_items(
+    direct: BlockIo,
     f: BlockIo,
     p: *mut c_void,
     size: size_t,
@@ -924,7 +926,7 @@ unsafe fn pinned_items(
 ) -> size_t {
     let Some(e) = touches_managed(p, size.saturating_mul(n)) else {
         // SAFETY: passed through.
-        return unsafe { f(p, size, n, s) };
+        return unsafe { direct(p, size, n, s) };
     };
     let per = (IO_CHUNK.load(Ordering::Relaxed) / size).max(1);
     if lock {
@@ -950,10 +952,10 @@ unsafe fn pinned_items(
     done
 }
 
-/// The four block calls: `fread`, `fwrite` and their `_unlocked` forms, each forwarding to
-/// libc's `_unlocked` form through `pinned_items`.
+/// The four block calls: `fread`, `fwrite` and their `_unlocked` forms, through
+/// `pinned_items` (libc's own call, or its `_unlocked` form in pinned chunks).
 macro_rules! block_io {
-    ($name:ident, $ptr:ty, $unlocked:literal, $lock:expr) => {
+    ($name:ident, $ptr:ty, $direct:literal, $unlocked:literal, $lock:expr) => {
         #[no_mangle]
         pub unsafe extern "C" fn $name(
             p: $ptr,
@@ -961,17 +963,30 @@ macro_rules! block_io {
             n: size_t,
             s: *mut libc::FILE,
         ) -> size_t {
+            let direct = real!($direct, BlockIo);
             let f = real!($unlocked, BlockIo);
             // SAFETY: the program's buffer and stream, passed through.
-            unsafe { pinned_items(f, p as *mut c_void, size, n, s, $lock) }
+            unsafe { pinned_items(direct, f, p as *mut c_void, size, n, s, $lock) }
         }
     };
 }
 
-block_io!(fread, *mut c_void, "fread_unlocked", true);
-block_io!(fread_unlocked, *mut c_void, "fread_unlocked", false);
-block_io!(fwrite, *const c_void, "fwrite_unlocked", true);
-block_io!(fwrite_unlocked, *const c_void, "fwrite_unlocked", false);
+block_io!(fread, *mut c_void, "fread", "fread_unlocked", true);
+block_io!(
+    fread_unlocked,
+    *mut c_void,
+    "fread_unlocked",
+    "fread_unlocked",
+    false
+);
+block_io!(fwrite, *const c_void, "fwrite", "fwrite_unlocked", true);
+block_io!(
+    fwrite_unlocked,
+    *const c_void,
+    "fwrite_unlocked",
+    "fwrite_unlocked",
+    false
+);
 
 /// `fputs` (and `puts`, which adds a newline) of a managed string: written as `fwrite` of its
 /// bytes, pinned in chunks, under the stream's lock; libc's own call for any other string.
@@ -985,7 +1000,7 @@ unsafe fn pinned_puts(text: *const c_char, s: *mut libc::FILE, newline: bool, lo
         unsafe { flockfile(s) };
     }
     // SAFETY: the string's bytes and the program's stream.
-    let mut ok = unsafe { pinned_items(w, text as *mut c_void, 1, len, s, false) } == len;
+    let mut ok = unsafe { pinned_items(w, w, text as *mut c_void, 1, len, s, false) } == len;
     if ok && newline {
         // SAFETY: as above.
         ok = unsafe { libc::fputc(b'\n' as c_int, s) } != libc::EOF;
