@@ -522,6 +522,7 @@ impl Engine {
             let s = self.slots();
             (s.in_use(), s.len(), s.limit())
         };
+        let status = StatusMemory::read();
         Snapshot {
             pid: self.pid,
             elapsed_seconds: (sys::now_ns() - self.start_ns) as f64 / 1e9,
@@ -536,9 +537,9 @@ impl Engine {
             peak_managed_bytes: r(&c.peak_managed_pages) * page,
             active_bytes: r(&c.active_pages) * page,
             process_rss_bytes: process_rss_bytes(),
-            process_peak_rss_bytes: process_peak_rss_bytes(),
+            process_peak_rss_bytes: status.peak_rss,
             process_peak_anon_bytes: {
-                Counters::peak(&c.peak_process_anon_bytes, process_anon_bytes());
+                Counters::peak(&c.peak_process_anon_bytes, status.anon);
                 r(&c.peak_process_anon_bytes)
             },
             discarded_bytes: r(&c.discarded_pages) * page,
@@ -722,33 +723,44 @@ fn prepare(uffd: &Uffd, addr: usize, len: usize) -> io::Result<()> {
     uffd.register(addr, len)
 }
 
-/// The sum of these fields of /proc/self/status (in KiB there), in bytes; 0 if unknown.
-fn status_bytes(fields: &[&str]) -> u64 {
-    let Ok(s) = std::fs::read_to_string("/proc/self/status") else {
-        return 0;
-    };
-    let kib: u64 = s
-        .lines()
-        .filter_map(|l| {
-            let (name, rest) = l.split_once(':')?;
-            if !fields.contains(&name) {
-                return None;
+/// This process's memory as /proc/self/status gives it, in bytes (0 where unknown).
+struct StatusMemory {
+    /// VmHWM: the peak resident size.
+    peak_rss: u64,
+    /// RssAnon + RssShmem + VmPTE now: what a memory cgroup charges the process for, besides
+    /// page cache it brought in itself.
+    anon: u64,
+}
+
+impl StatusMemory {
+    /// Reads /proc/self/status once.
+    fn read() -> StatusMemory {
+        let mut m = StatusMemory {
+            peak_rss: 0,
+            anon: 0,
+        };
+        let Ok(s) = std::fs::read_to_string("/proc/self/status") else {
+            return m;
+        };
+        for l in s.lines() {
+            let Some((name, rest)) = l.split_once(':') else {
+                continue;
+            };
+            let Some(kib) = rest
+                .split_whitespace()
+                .next()
+                .and_then(|v| v.parse::<u64>().ok())
+            else {
+                continue;
+            };
+            match name {
+                "VmHWM" => m.peak_rss = kib * 1024,
+                "RssAnon" | "RssShmem" | "VmPTE" => m.anon += kib * 1024,
+                _ => {}
             }
-            rest.split_whitespace().next()?.parse::<u64>().ok()
-        })
-        .sum();
-    kib * 1024
-}
-
-/// The process's peak resident size (VmHWM), or 0 if unknown.
-pub fn process_peak_rss_bytes() -> u64 {
-    status_bytes(&["VmHWM"])
-}
-
-/// The process's anonymous and shared-memory resident bytes and its page tables now: what a
-/// memory cgroup charges it for, besides page cache it brought in itself.
-fn process_anon_bytes() -> u64 {
-    status_bytes(&["RssAnon", "RssShmem", "VmPTE"])
+        }
+        m
+    }
 }
 
 impl FaultHandler for Engine {
