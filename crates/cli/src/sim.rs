@@ -492,6 +492,33 @@ fn vs(m: u64, best: u64) -> f64 {
     }
 }
 
+/// One policy's misses against a best, row after row: how many rows at or below it, the
+/// geometric mean of the ratios and the worst.
+#[derive(Clone, Copy, Default)]
+struct Tally {
+    at_or_below: usize,
+    log_sum: f64,
+    worst: f64,
+    rows: usize,
+}
+
+impl Tally {
+    /// Adds a row where the policy missed `own` times and the best `best` times; returns the
+    /// ratio.
+    fn add(&mut self, own: u64, best: u64) -> f64 {
+        let r = vs(own, best);
+        self.at_or_below += usize::from(own <= best);
+        self.log_sum += r.ln();
+        self.worst = self.worst.max(r);
+        self.rows += 1;
+        r
+    }
+
+    fn geometric_mean(&self) -> f64 {
+        (self.log_sum / self.rows.max(1) as f64).exp()
+    }
+}
+
 fn corpus(a: &SimArgs) -> Result<ExitCode> {
     let drams: Vec<String> = if a.dram.is_empty() {
         ["10%", "25%", "50%", "75%"].map(String::from).to_vec()
@@ -516,11 +543,12 @@ fn corpus(a: &SimArgs) -> Result<ExitCode> {
     );
     let mut significant_losses = 0;
     let start = std::time::Instant::now();
-    let (mut rows, mut worst, mut log_sum, mut at_or_below) = (Vec::new(), 0f64, 0f64, 0);
-    let (mut time_log_sum, mut engine_log_sum, mut engine_at_or_below) = (0f64, 0f64, 0);
-    // Each online policy against the best of the other five, row by row: how high the bar
-    // memtide is held to stands for them too.
-    let mut peers = [(0usize, 0f64, 0f64); ONLINE.len()];
+    let (mut rows, mut time_log_sum) = (Vec::new(), 0f64);
+    // memtide at the same DRAM and with the engine's headroom against the best online policy,
+    // and each online policy against the best of the other five (how high the bar memtide is
+    // held to stands for them too).
+    let (mut memtide, mut engine_tally) = (Tally::default(), Tally::default());
+    let mut peers = [Tally::default(); ONLINE.len()];
     for family in CORPUS {
         let (kind, rest) = family.split_once(':').unwrap_or((family, ""));
         let spec = format!(
@@ -557,16 +585,20 @@ fn corpus(a: &SimArgs) -> Result<ExitCode> {
             by_seed.push(simulate(&src, &jobs, &lat, threads, &|_, _| {})?);
         }
         for &d in &sizes {
-            let here = |out: &[Outcome]| -> Vec<Outcome> {
-                out.iter()
-                    .filter(|o| o.dram_pages == d.min(pages))
-                    .cloned()
-                    .collect()
-            };
-            let mut at = here(&by_seed[0]);
-            for out in &by_seed[1..] {
-                for (sum, o) in at.iter_mut().zip(here(out)) {
-                    sum.add(&o);
+            // Each seed's outcomes at this size, and their sums.
+            let per_seed: Vec<Vec<Outcome>> = by_seed
+                .iter()
+                .map(|out| {
+                    out.iter()
+                        .filter(|o| o.dram_pages == d.min(pages))
+                        .cloned()
+                        .collect()
+                })
+                .collect();
+            let mut at = per_seed[0].clone();
+            for out in &per_seed[1..] {
+                for (sum, o) in at.iter_mut().zip(out) {
+                    sum.add(o);
                 }
             }
             let find = |name: &str| at.iter().find(|o| o.policy == name).expect("memtide ran");
@@ -578,12 +610,11 @@ fn corpus(a: &SimArgs) -> Result<ExitCode> {
                 .expect("online policies ran");
             // With several seeds: memtide's misses less the best policy's, seed by seed, and
             // whether their mean exceeds twice its standard error (a loss beyond the noise).
-            let diffs: Vec<f64> = by_seed
+            let diffs: Vec<f64> = per_seed
                 .iter()
                 .map(|out| {
                     let m = |name: &str| {
-                        here(out)
-                            .iter()
+                        out.iter()
                             .find(|o| o.policy == name)
                             .map_or(0, |o| o.misses) as f64
                     };
@@ -595,30 +626,16 @@ fn corpus(a: &SimArgs) -> Result<ExitCode> {
             if significant {
                 significant_losses += 1;
             }
-            let vs_best = |m: u64| vs(m, best.misses);
-            let ratio = vs_best(mt.misses);
-            let engine_ratio = vs_best(engine.misses);
-            engine_log_sum += engine_ratio.ln();
-            if engine.misses <= best.misses {
-                engine_at_or_below += 1;
-            }
-            worst = worst.max(ratio);
-            log_sum += ratio.ln();
-            if mt.misses <= best.misses {
-                at_or_below += 1;
-            }
-            for (k, name) in ONLINE.iter().enumerate() {
-                let own = find(name).misses;
+            let ratio = memtide.add(mt.misses, best.misses);
+            let engine_ratio = engine_tally.add(engine.misses, best.misses);
+            for (tally, name) in peers.iter_mut().zip(ONLINE) {
                 let others = at
                     .iter()
-                    .filter(|o| !o.policy.starts_with("memtide") && o.policy != *name)
+                    .filter(|o| !o.policy.starts_with("memtide") && o.policy != name)
                     .map(|o| o.misses)
                     .min()
                     .expect("other online policies ran");
-                let r = vs(own, others);
-                peers[k].0 += usize::from(own <= others);
-                peers[k].1 += r.ln();
-                peers[k].2 = peers[k].2.max(r);
+                tally.add(find(name).misses, others);
             }
             let soft = mt.soft_faults as f64 / mt.accesses.max(1) as f64;
             // Estimated time against the best policy's, hint faults included.
@@ -659,15 +676,18 @@ fn corpus(a: &SimArgs) -> Result<ExitCode> {
     }
     let n = rows.len();
     println!(
-        "\nmemtide at or below the best online policy on {at_or_below} of {n} rows; worst {worst:.3}x, \
+        "\nmemtide at or below the best online policy on {} of {n} rows; worst {:.3}x, \
          geometric mean {:.3}x ({:.0} s)",
-        (log_sum / n as f64).exp(),
+        memtide.at_or_below,
+        memtide.worst,
+        memtide.geometric_mean(),
         start.elapsed().as_secs_f64()
     );
     println!(
         "as the engine runs it (evicting from 1-2 write-back batches below the quota: `engine`), \
-         at or below on {engine_at_or_below} of {n}; geometric mean {:.3}x",
-        (engine_log_sum / n as f64).exp()
+         at or below on {} of {n}; geometric mean {:.3}x",
+        engine_tally.at_or_below,
+        engine_tally.geometric_mean()
     );
     println!(
         "estimated time (misses at {:.0} µs, hint faults at {:.0} µs, accesses at {:.0} ns): \
@@ -684,10 +704,12 @@ fn corpus(a: &SimArgs) -> Result<ExitCode> {
         );
     }
     println!("each online policy against the best of the other five, for comparison:");
-    for (name, (at, log, worst)) in ONLINE.iter().zip(peers) {
+    for (name, t) in ONLINE.iter().zip(&peers) {
         println!(
-            "  {name:<7} at or below on {at:>2} of {n}; worst {worst:.3}x, geometric mean {:.3}x",
-            (log / n as f64).exp()
+            "  {name:<7} at or below on {:>2} of {n}; worst {:.3}x, geometric mean {:.3}x",
+            t.at_or_below,
+            t.worst,
+            t.geometric_mean()
         );
     }
     println!(
@@ -698,13 +720,13 @@ fn corpus(a: &SimArgs) -> Result<ExitCode> {
     if let Some(p) = &a.json {
         let peers: Vec<_> = ONLINE
             .iter()
-            .zip(peers)
-            .map(|(name, (at, log, worst))| {
+            .zip(&peers)
+            .map(|(name, t)| {
                 serde_json::json!({
                     "policy": name,
-                    "rows_at_or_below_the_others": at,
-                    "geometric_mean_vs_the_others": (log / n as f64).exp(),
-                    "worst_vs_the_others": worst,
+                    "rows_at_or_below_the_others": t.at_or_below,
+                    "geometric_mean_vs_the_others": t.geometric_mean(),
+                    "worst_vs_the_others": t.worst,
                 })
             })
             .collect();
