@@ -67,13 +67,17 @@ fn objects_spanning_two_pages_are_read_in_one_fault() {
             last = i;
         }
     };
-    let (faults, ahead, _) = counting(e, || singles(&mut rng, &mut check));
-    eprintln!("single pages: {faults} tier faults, {ahead} pages read ahead");
-    assert!(
-        faults > READS * 8 / 10,
-        "the reads came from tier 1: {faults}"
-    );
-    assert_eq!(ahead, 0, "random single pages read nothing ahead");
+    // A phase of them: the reads come from tier 1, and nothing is read ahead.
+    let read_alone = |rng: &mut Rng, check: &mut dyn FnMut(usize), what: &str| {
+        let (faults, ahead, _) = counting(e, || singles(rng, check));
+        eprintln!("{what}: {faults} tier faults, {ahead} pages read ahead");
+        assert!(
+            faults > READS * 8 / 10,
+            "{what}: the reads came from tier 1: {faults}"
+        );
+        assert_eq!(ahead, 0, "{what}: nothing read ahead");
+    };
+    read_alone(&mut rng, &mut check, "random single pages");
 
     // Objects: a page and the next. The first few hundred measure; then one fault in eight
     // still does, and pages whose tier slots do not follow on are read alone.
@@ -99,12 +103,10 @@ fn objects_spanning_two_pages_are_read_in_one_fault() {
 
     // Back to single pages: pairs turn off within a decision's worth of faults.
     singles(&mut rng, &mut check);
-    let (faults, ahead, _) = counting(e, || singles(&mut rng, &mut check));
-    eprintln!("single pages again: {faults} tier faults, {ahead} pages read ahead");
-    assert!(
-        faults > READS * 8 / 10,
-        "the reads came from tier 1: {faults}"
+    read_alone(
+        &mut rng,
+        &mut check,
+        "single pages again (pairs turned off)",
     );
-    assert_eq!(ahead, 0, "pairs turned off");
     assert_eq!(wrong, 0, "pages read back with a wrong stamp");
 }
