@@ -3,7 +3,7 @@
 //! writes JSON for scripts. Entry point: [`sim`].
 
 use std::io::{IsTerminal, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
@@ -95,9 +95,10 @@ pub struct SimArgs {
     /// Also write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
-    /// Where a sweep (two or more DRAM sizes) draws loss vs DRAM per policy, as SVG.
-    #[arg(long, default_value = "memtide-sim.svg")]
-    pub plot: PathBuf,
+    /// Where a sweep (two or more DRAM sizes) draws loss vs DRAM per policy, as SVG (default
+    /// memtide-sim.svg).
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
 }
 
 /// A `--trace-format`: a format, or none to tell it from the file.
@@ -178,6 +179,13 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
         );
     }
     if a.corpus {
+        // The corpus compares every online policy on its rows and draws nothing.
+        if a.plot.is_some() {
+            bail!("--plot draws a sweep of a --workload or --trace; --corpus has no plot (--json writes its rows)");
+        }
+        if a.policy != ["all"] {
+            bail!("--policy chooses what a --workload or --trace replays; --corpus always compares memtide with every online policy");
+        }
         return corpus(&a);
     }
     if a.dram.is_empty() {
@@ -392,7 +400,7 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
             "DRAM, fraction of the footprint",
             series,
         )
-        .write(&a.plot)?;
+        .write(a.plot.as_deref().unwrap_or(Path::new("memtide-sim.svg")))?;
     }
     // Bytes of state per page, the most any size needed, per policy.
     let state: Vec<String> = policies

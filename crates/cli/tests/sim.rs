@@ -88,6 +88,14 @@ fn bad_input_is_one_line() {
         &["sim", "--corpus", "--corpus-seeds", "0"],
         "--corpus-seeds",
     );
+    fails_with(
+        &["sim", "--corpus", "--plot", "corpus.svg"],
+        "--corpus has no plot",
+    );
+    fails_with(
+        &["sim", "--corpus", "--policy", "lru"],
+        "--corpus always compares",
+    );
 }
 
 #[test]
