@@ -100,6 +100,16 @@ pub fn print(program: &str, status: &str, c: &Collected) {
         bytes(s.dram_bytes),
         bytes(s.inactive_bytes)
     );
+    // What a memory cgroup would charge the program: DRAM beyond the quota is memtide's own
+    // per-page state and the program's memory memtide does not manage. (Stats files from
+    // before the engine measured it have 0.)
+    if s.process_peak_anon_bytes > 0 {
+        eprintln!(
+            "  process  {} anonymous + page tables at peak (a memory cgroup's charge): {} more than managed DRAM (memtide's page state, unmanaged memory)",
+            bytes(s.process_peak_anon_bytes),
+            bytes(s.process_peak_anon_bytes.saturating_sub(s.peak_dram_bytes))
+        );
+    }
     let cov = coverage(peak);
     eprintln!(
         "  managed  {} held at peak ({} of address space) — {:.0}% of the program's memory{}",

@@ -7,6 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::{main_stats, memtide, output_within, require, stderr, Scratch};
+use memtide_engine::size;
 
 const SCRIPT: &str = r#"
 import hashlib, sys
@@ -85,6 +86,16 @@ fn python_bytearray_matches_untiered_run() {
     assert!(
         err.contains("tier 1") && err.contains("promotions"),
         "summary printed: {err}"
+    );
+    // The summary says how much DRAM the process held beyond the managed pages.
+    let peak_dram = st["peak_dram_bytes"].as_u64().unwrap();
+    assert!(
+        err.contains(&format!(
+            "  process  {} anonymous + page tables at peak (a memory cgroup's charge): {} more than managed DRAM",
+            size::format(anon),
+            size::format(anon - peak_dram)
+        )),
+        "summary names the anonymous peak: {err}"
     );
     // The tier file is gone.
     let left: Vec<_> = std::fs::read_dir(s.path())
