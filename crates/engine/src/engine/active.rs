@@ -166,6 +166,21 @@ impl Engine {
     /// quota) go back to their addresses, oldest first, until `want` slots are free. Stops at a
     /// page someone else is moving.
     pub(super) fn retire_staged(&self, want: u64) {
+        self.retire_slots(want, true);
+    }
+
+    /// Moves the tail past the slots at its end that hold nothing any more (emptied, or
+    /// naming a page that has since left them), stopping at the first staged page: placement
+    /// empties slots out of order, and chunks the tail passes give back their page tables
+    /// (see `ring.rs`).
+    pub(super) fn skip_spent_slots(&self) {
+        self.retire_slots(u64::MAX, false);
+    }
+
+    /// Moves the tail until `want` slots are free or it meets a page someone else is moving;
+    /// a staged page met on the way goes back to its address when `put_back`, else the tail
+    /// stops there.
+    fn retire_slots(&self, want: u64, put_back: bool) {
         let tail0 = self.ring.tail();
         let head = self.ring.head();
         let mut pos = tail0;
@@ -189,6 +204,9 @@ impl Engine {
                 break;
             }
             if w.state() == State::Staged && self.pt.stage(p) == s {
+                if !put_back {
+                    break;
+                }
                 let Some(old) = self.pt.claim(p, State::Staged, false) else {
                     break;
                 };
@@ -207,7 +225,7 @@ impl Engine {
             pos += 1;
         }
         // Every slot passed is empty now, or holds a dead page's DRAM: release them at once.
-        self.ring.zap(tail0, pos);
+        self.release_slots(tail0, pos);
         self.ring.set_tail(pos);
         if dead > 0 {
             self.ring.staged.fetch_sub(dead, Ordering::AcqRel);

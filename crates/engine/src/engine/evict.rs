@@ -223,7 +223,7 @@ impl Engine {
     /// Pages that would not move are put back (or found gone); `victims` keeps those that
     /// moved. Returns how many moved.
     pub(super) fn stage(&self, victims: &mut Vec<usize>) -> u64 {
-        if !self.locked {
+        if !self.locked.load(Ordering::Acquire) {
             // Unlocked memory may have been swapped out by Linux: only pages in DRAM move.
             victims.retain(|&p| {
                 let present = self.presence(self.addr_of(p)) == sys::Presence::Present;
@@ -374,7 +374,7 @@ impl Engine {
         }
         let out = self.retire(writing);
         // Release the DRAM of every processed slot at once (one TLB shootdown per batch).
-        self.ring.zap(tail0, end);
+        self.release_slots(tail0, end);
         self.ring.set_tail(end);
         let released = out.left + dead;
         self.ring
@@ -386,6 +386,17 @@ impl Engine {
         Counters::add(&self.counters.demotions_zero, out.zero);
         // Pages that went back count as progress only if something else did.
         released
+    }
+
+    /// Releases ring positions `[from, to)` behind a tail moving to `to` (see
+    /// [`StagingRing::zap`]), giving back the page tables of the chunks it has passed.
+    pub(super) fn release_slots(&self, from: u64, to: u64) {
+        self.ring.zap(from, to, |addr, len| {
+            // SAFETY: a chunk behind the tail that the head has not reached again: its slots
+            // hold nothing (see `StagingRing::zap`), and only the evictor, which is here,
+            // stages into slots.
+            unsafe { self.renew(addr, len, "renewing the staging area failed") }
+        });
     }
 
     /// Takes the pages `writing` (each `Writing`, ours, at its staging slot) out of DRAM: zero

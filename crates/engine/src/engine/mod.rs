@@ -227,7 +227,7 @@ pub struct Engine {
     /// Set after `fork` fallback: memory is all in DRAM and no longer registered.
     detached: AtomicBool,
     /// Whether the arena and staging area are locked in DRAM (see `start`).
-    locked: bool,
+    locked: AtomicBool,
     /// Asks the evictor to stop (for `fork` and for audits).
     pause: AtomicBool,
     /// Set by the evictor once it has seen `pause` and stopped.
@@ -329,7 +329,7 @@ impl Engine {
             tier_full: AtomicBool::new(false),
             tier_reclaim: AtomicBool::new(false),
             detached: AtomicBool::new(false),
-            locked,
+            locked: AtomicBool::new(locked),
             pause: AtomicBool::new(false),
             parked: AtomicBool::new(false),
             sequential: SequentialRun::new(),
@@ -350,7 +350,7 @@ impl Engine {
             engine.warn(note);
         }
         let swap_on = std::fs::read_to_string("/proc/swaps").is_ok_and(|s| s.lines().count() > 1);
-        if !engine.locked && swap_on {
+        if !engine.locked.load(Ordering::Acquire) && swap_on {
             engine.warn("cannot lock managed memory in DRAM (needs CAP_IPC_LOCK or a larger RLIMIT_MEMLOCK) and swap is on: Linux may swap managed pages out; memtide leaves those alone until they are touched".into());
         }
         if !engine.tier.direct() {
@@ -473,6 +473,13 @@ impl Engine {
         self.tier_reclaim.store(true, Ordering::Release);
         self.bell.ring_always();
         limit * PAGE_SIZE as u64
+    }
+
+    /// Slots of the staging area: how many pages can wait unmapped in DRAM at once. Its
+    /// address space is sized for the largest quota this engine may be given, not the
+    /// current one.
+    pub fn staging_slots(&self) -> u64 {
+        self.ring.slots()
     }
 
     /// Pages of managed memory the program currently has allocated.

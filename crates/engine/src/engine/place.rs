@@ -11,8 +11,9 @@
 //!
 //! - Staged pages live in the staging ring as with the CLOCK sweep, but leave it out of order:
 //!   placement names the staged page to evict, and its slot is zapped and emptied on its own.
-//!   The ring's tail passes empty slots when room is needed; a page staged so long that the
-//!   head comes round to it is put back (`retire_staged`), which placement then takes for a use.
+//!   The ring's tail passes the empty slots at its end before each batch, so that the area
+//!   behind it gives back its page tables; a page staged so long that the head comes round to
+//!   it is put back (`retire_staged`), which placement then takes for a use.
 //! - A freed staged page gives its slot back at once (not when the tail passes, which may be
 //!   long in coming): see `region.rs`.
 //! - The fault path appends the pages it brings in to [`Arrivals`] (no lock, no allocation);
@@ -245,6 +246,7 @@ impl Engine {
     /// Slots the ring can take now for pages placement stages (making room at its tail first
     /// when it is short).
     fn stage_room(&self) -> usize {
+        self.skip_spent_slots();
         if self.ring.room() < STAGE_PER_ROUND as u64 {
             self.retire_staged(4 * STAGE_PER_ROUND as u64);
         }

@@ -171,6 +171,37 @@ impl Engine {
         Ok(())
     }
 
+    /// Maps fresh memory over `len` bytes at `addr` (in the arena or the staging area),
+    /// registered with userfaultfd and locked as the rest is. Whatever was there is gone, and
+    /// so are the page tables of the whole 2 MiB runs in it.
+    ///
+    /// # Safety
+    ///
+    /// The range must be the engine's, and nothing in it may be needed or in use.
+    pub(super) unsafe fn renew(&self, addr: usize, len: usize, what: &str) {
+        // SAFETY: the caller's contract; the mapping replaces only the engine's own range.
+        let mapped = unsafe {
+            sys::mmap(
+                addr,
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if let Err(e) = mapped.and_then(|_| prepare(&self.uffd, addr, len)) {
+            fatal(what, &e);
+        }
+        if self.locked.load(Ordering::Acquire) && sys::lock_on_fault(addr, len).is_err() {
+            // Only a program locking memory of its own between the unmap and this lock can
+            // take the room: from now on the evictor moves only pages it sees in DRAM, as
+            // it does when nothing could be locked.
+            self.locked.store(false, Ordering::Release);
+            self.warn("could not lock managed memory in DRAM any more (RLIMIT_MEMLOCK reached): memtide now leaves pages Linux swapped out alone until they are touched".into());
+        }
+    }
+
     /// Maps fresh arena memory, registered and configured as the arena is, over the runs of
     /// claimed pages that were lent to a mapping of the program's own (see
     /// [`lend`](Self::lend)). Returns how many pages came back.
@@ -180,26 +211,13 @@ impl Engine {
             let (addr, len) = (self.addr_of(taken[run.start].0), run.len() * PAGE_SIZE);
             // SAFETY: the range is the arena's and ours (Busy); what the program had there it
             // gave up by unmapping it or mapping anonymous memory over it.
-            let mapped = unsafe {
-                sys::mmap(
+            unsafe {
+                self.renew(
                     addr,
                     len,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE,
-                    -1,
-                    0,
+                    "taking back arena memory the program had mapped over failed",
                 )
             };
-            let configured = mapped.and_then(|_| prepare(&self.uffd, addr, len));
-            if let Err(e) = configured {
-                fatal(
-                    "taking back arena memory the program had mapped over failed",
-                    &e,
-                );
-            }
-            if self.locked {
-                let _ = sys::lock_on_fault(addr, len);
-            }
             back += run.len();
         }
         back

@@ -11,6 +11,8 @@
 //! - `staged` counts the pages in slots between tail and head: staged and writing pages plus
 //!   dead entries. Each of them holds DRAM.
 //! - Only the evictor moves head and tail.
+//! - Slots behind the tail hold nothing: each whole chunk of them (see [`CHUNK_SLOTS`]) is
+//!   mapped afresh as the tail passes it, unless the head has come round to it already.
 
 use std::io;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -23,6 +25,13 @@ use crate::sys::{self, Mapping};
 pub(super) const RING_EMPTY: u32 = 0;
 /// An entry whose page the program freed while it was staged.
 pub(super) const RING_DEAD: u32 = u32::MAX;
+
+/// Slots in one chunk of the staging area: 2 MiB, what one page-table page maps. The head
+/// goes round the whole area (up to gigabytes of address space), and a slot it has used
+/// keeps its page-table page after the slot is emptied: left alone, the area would hold 2
+/// KiB of page tables per MiB of it, for good. So each chunk the tail passes is mapped
+/// afresh, and holds page tables again only when the head comes back to it.
+pub(super) const CHUNK_SLOTS: u64 = 512;
 
 pub(super) struct StagingRing {
     /// The staging area: one page per slot, registered with userfaultfd like the arena (pages
@@ -101,8 +110,12 @@ impl StagingRing {
             .count() as u64
     }
 
-    /// Zaps the staging slots of ring positions `[from, to)` and empties their entries.
-    pub(super) fn zap(&self, from: u64, to: u64) {
+    /// Zaps the staging slots of ring positions `[from, to)` (the tail is moving from `from`
+    /// to `to`) and empties their entries. Every whole chunk of the area the tail has now
+    /// passed, and the head will not reach again before the tail passes it next time, is
+    /// handed to `renew` (address and length), which must map it afresh: unmapping is the only
+    /// way to give back its page tables (see [`CHUNK_SLOTS`]).
+    pub(super) fn zap(&self, from: u64, to: u64, renew: impl Fn(usize, usize)) {
         if from == to {
             return;
         }
@@ -127,5 +140,45 @@ impl StagingRing {
             zap(a, self.slots);
             zap(0, b - self.slots);
         }
+        let head = self.head();
+        let mut pos = from;
+        while pos < to {
+            let slot = pos % self.slots;
+            let Some(first) = self.chunk_of(slot) else {
+                // Between chunks (the area's unaligned ends): on to the next chunk's start or
+                // the next lap.
+                let next = self.first_chunk_slot();
+                pos += if slot < next {
+                    next - slot
+                } else {
+                    self.slots - slot
+                };
+                continue;
+            };
+            // Ring positions of this chunk's slots in this lap: [start, end).
+            let end = pos - (slot - first) + CHUNK_SLOTS;
+            let start = end - CHUNK_SLOTS;
+            if end <= to && head <= start + self.slots {
+                renew(self.addr(first as u32), CHUNK_SLOTS as usize * PAGE_SIZE);
+            }
+            pos = end;
+        }
+    }
+
+    /// The first slot of a whole chunk (one 2 MiB-aligned run of [`CHUNK_SLOTS`] slots).
+    fn first_chunk_slot(&self) -> u64 {
+        let off = self.area.addr() % (CHUNK_SLOTS as usize * PAGE_SIZE);
+        (if off == 0 {
+            0
+        } else {
+            (CHUNK_SLOTS as usize * PAGE_SIZE - off) / PAGE_SIZE
+        }) as u64
+    }
+
+    /// The first slot of the whole chunk holding `slot`, if it is in one.
+    fn chunk_of(&self, slot: u64) -> Option<u64> {
+        let base = self.first_chunk_slot();
+        let first = base + (slot.checked_sub(base)? / CHUNK_SLOTS) * CHUNK_SLOTS;
+        (first + CHUNK_SLOTS <= self.slots).then_some(first)
     }
 }
