@@ -4,12 +4,15 @@
 //! long run kept 2 KiB of page tables per MiB of staging area (4 MiB at any quota up to
 //! 4 GiB), on top of the quota. Here 256 MiB go through 16 MiB of DRAM until the ring has
 //! gone round more than once; the process's page tables may grow by those of the arena and
-//! a live window of the ring, not by the ring's whole area, and its mappings stay merged.
+//! a live window of the ring, not by the ring's whole area, its memory besides managed DRAM
+//! not by the ring's entries (4 bytes a slot, 2 MiB for this ring), and its mappings stay
+//! merged.
 //! (Alone in its file: the page tables measured are the whole process's.)
 
 mod common;
 
 use common::PAGE;
+use memtide_engine::{Engine, EvictionPolicy};
 
 const PAGES: usize = 64 * 1024;
 const QUOTA: u64 = 16 << 20;
@@ -21,17 +24,34 @@ fn stamp(page: usize) -> u64 {
     (page as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x7AB1E
 }
 
-/// VmPTE (page tables, bytes) and the number of mappings of this process.
-fn page_tables_and_maps() -> (u64, usize) {
+/// What this process holds: page tables (VmPTE), anonymous memory other than the engine's
+/// managed DRAM (RssAnon less the pages the engine holds), both in bytes, and its mappings.
+struct Held {
+    page_tables: u64,
+    anon_outside: u64,
+    maps: usize,
+}
+
+fn held(engine: &Engine) -> Held {
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let kib: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmPTE:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .expect("VmPTE in /proc/self/status");
-    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
-    (kib << 10, maps.lines().count())
+    let field = |name: &str| -> u64 {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("{name} in /proc/self/status"))
+            << 10
+    };
+    let managed = engine.resident_pages() * PAGE as u64;
+    Held {
+        page_tables: field("VmPTE:"),
+        anon_outside: field("RssAnon:").saturating_sub(managed),
+        maps: std::fs::read_to_string("/proc/self/maps")
+            .unwrap()
+            .lines()
+            .count(),
+    }
 }
 
 #[test]
@@ -51,7 +71,7 @@ fn the_staging_area_gives_back_its_page_tables() {
         }
     };
     pass();
-    let (pt0, maps0) = page_tables_and_maps();
+    let before = held(engine);
     let staged0 = engine.snapshot().deactivations;
     // Round after round until the staging ring has gone round twice.
     let slots = engine.staging_slots();
@@ -65,26 +85,46 @@ fn the_staging_area_gives_back_its_page_tables() {
             engine.snapshot()
         );
     }
-    let (pt1, maps1) = page_tables_and_maps();
+    let after = held(engine);
     engine.audit().unwrap();
+    // What the ring's area and its entries (4 bytes a slot) would hold, all of them used.
     let ring_tables = slots / 512 * PAGE as u64;
+    let ring_entries = slots * 4;
     eprintln!(
-        "{rounds} passes, {} pages staged through {slots} slots: page tables {} -> {} KiB (the whole ring's would be {} KiB), mappings {maps0} -> {maps1}",
+        "{rounds} passes, {} pages staged through {slots} slots: page tables {} -> {} KiB (the whole ring's would be {} KiB), anonymous memory besides managed DRAM {} -> {} KiB (the ring's entries: {} KiB), mappings {} -> {}",
         engine.snapshot().deactivations - staged0,
-        pt0 >> 10,
-        pt1 >> 10,
-        ring_tables >> 10
+        before.page_tables >> 10,
+        after.page_tables >> 10,
+        ring_tables >> 10,
+        before.anon_outside >> 10,
+        after.anon_outside >> 10,
+        ring_entries >> 10,
+        before.maps,
+        after.maps,
     );
     assert!(
         ring_tables >= 2 << 20,
         "the test needs a ring whose page tables would show: {slots} slots"
     );
     assert!(
-        pt1 < pt0 + ring_tables / 4,
-        "page tables grew from {pt0} to {pt1} bytes: the ring's area keeps them ({ring_tables} bytes for all of it)"
+        after.page_tables < before.page_tables + ring_tables / 4,
+        "page tables grew from {} to {} bytes: the ring's area keeps them ({ring_tables} bytes for all of it)",
+        before.page_tables,
+        after.page_tables
+    );
+    // Under placement the arrivals queue (4 MiB, a ring the fault paths write and the evictor
+    // drains) is swept the same way and stays resident: not measured here.
+    let placement = common::policy() == EvictionPolicy::Placement;
+    assert!(
+        placement || after.anon_outside < before.anon_outside + ring_entries / 4,
+        "memory besides managed DRAM grew from {} to {} bytes: the ring's entries stay ({ring_entries} bytes for all of them)",
+        before.anon_outside,
+        after.anon_outside
     );
     assert!(
-        maps1 <= maps0 + 8,
-        "renewed chunks of the staging area merge back: {maps0} -> {maps1} mappings"
+        after.maps <= before.maps + 8,
+        "renewed chunks of the staging area merge back: {} -> {} mappings",
+        before.maps,
+        after.maps
     );
 }

@@ -140,26 +140,50 @@ impl StagingRing {
             zap(a, self.slots);
             zap(0, b - self.slots);
         }
+        let chunk_base = self.first_chunk_slot();
+        self.spent_runs(from, to, chunk_base, CHUNK_SLOTS, |first| {
+            renew(self.addr(first as u32), CHUNK_SLOTS as usize * PAGE_SIZE);
+        });
+        // The entries of those slots are all empty (zero): their pages go back too, a page
+        // of entries at a time.
+        let per_page = (PAGE_SIZE / 4) as u64;
+        self.spent_runs(from, to, 0, per_page, |first| {
+            // SAFETY: entries of slots behind the tail that the head has not reached again:
+            // nobody writes them, and they read as empty (zero) before and after.
+            unsafe {
+                let _ = sys::discard(self.entries.addr() + first as usize * 4, PAGE_SIZE);
+            }
+        });
+    }
+
+    /// Calls `f` with the first slot of every run of `len` slots (runs start at `base` and
+    /// every `len` slots after it; a run past the last slot does not count) whose last slot
+    /// the tail passes in moving from `from` to `to`, unless the head has already come round
+    /// to the run's first slot again.
+    fn spent_runs(&self, from: u64, to: u64, base: u64, len: u64, mut f: impl FnMut(u64)) {
         let head = self.head();
         let mut pos = from;
         while pos < to {
             let slot = pos % self.slots;
-            let Some(first) = self.chunk_of(slot) else {
-                // Between chunks (the area's unaligned ends): on to the next chunk's start or
-                // the next lap.
-                let next = self.first_chunk_slot();
-                pos += if slot < next {
-                    next - slot
+            let first = slot
+                .checked_sub(base)
+                .map(|d| base + d / len * len)
+                .filter(|&first| first + len <= self.slots);
+            let Some(first) = first else {
+                // Before the first run or after the last: on to the next run's start or the
+                // next lap.
+                pos += if slot < base {
+                    base - slot
                 } else {
                     self.slots - slot
                 };
                 continue;
             };
-            // Ring positions of this chunk's slots in this lap: [start, end).
-            let end = pos - (slot - first) + CHUNK_SLOTS;
-            let start = end - CHUNK_SLOTS;
+            // Ring positions of this run's slots in this lap: [start, end).
+            let end = pos - (slot - first) + len;
+            let start = end - len;
             if end <= to && head <= start + self.slots {
-                renew(self.addr(first as u32), CHUNK_SLOTS as usize * PAGE_SIZE);
+                f(first);
             }
             pos = end;
         }
@@ -173,12 +197,5 @@ impl StagingRing {
         } else {
             (CHUNK_SLOTS as usize * PAGE_SIZE - off) / PAGE_SIZE
         }) as u64
-    }
-
-    /// The first slot of the whole chunk holding `slot`, if it is in one.
-    fn chunk_of(&self, slot: u64) -> Option<u64> {
-        let base = self.first_chunk_slot();
-        let first = base + (slot.checked_sub(base)? / CHUNK_SLOTS) * CHUNK_SLOTS;
-        (first + CHUNK_SLOTS <= self.slots).then_some(first)
     }
 }
