@@ -26,7 +26,7 @@
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
-use memtide_policy::{Pages, Placement, Relief, Residence, Watermarks};
+use memtide_policy::{Pages, Placement, Relief, Residence, Watermarks, PAGE_SIZE};
 
 use super::Engine;
 use crate::pages::State;
@@ -36,14 +36,26 @@ use crate::sys::{self, Mapping};
 /// Arrivals the queue holds before the evictor must have drained it.
 const ARRIVALS: u64 = 1 << 20;
 
+/// Entries in one page of the arrivals queue.
+const ARRIVALS_PER_PAGE: u64 = (PAGE_SIZE / 4) as u64;
+
 /// Pages brought into DRAM, in the order they came, for the evictor to place. Producers are
 /// the fault paths (one compare-and-swap and a store: async-signal-safe); the evictor is the
 /// only consumer.
+///
+/// The queue is a ring the producers go round, so every page of it would stay resident once
+/// they had (4 MiB). The consumer gives each page back once it has drained it, before it lets
+/// the producers know: `tail`, which bounds where they may write, moves a whole page at a
+/// time and only past pages given back, so no producer can be writing into a page as it goes.
 pub(super) struct Arrivals {
     /// `page + 1` per entry; 0 while empty (or claimed and not yet written).
     entries: Mapping,
     head: AtomicU64,
+    /// Where the producers may write up to (`tail + ARRIVALS`): the start of the page the
+    /// consumer is draining.
     tail: AtomicU64,
+    /// Where the consumer has drained to (the consumer only).
+    drained: AtomicU64,
     /// Set when an arrival did not fit: the evictor's next scan adopts what it missed.
     overflowed: AtomicBool,
 }
@@ -54,6 +66,7 @@ impl Arrivals {
             entries: Mapping::anon(ARRIVALS as usize * 4)?,
             head: AtomicU64::new(0),
             tail: AtomicU64::new(0),
+            drained: AtomicU64::new(0),
             overflowed: AtomicBool::new(false),
         })
     }
@@ -83,7 +96,7 @@ impl Arrivals {
 
     /// Hands every arrival written so far to `f`, oldest first (the evictor only).
     fn drain(&self, mut f: impl FnMut(usize)) {
-        let mut t = self.tail.load(Ordering::Acquire);
+        let mut t = self.drained.load(Ordering::Relaxed);
         loop {
             let e = self.entry(t).swap(0, Ordering::AcqRel);
             if e == 0 {
@@ -92,7 +105,20 @@ impl Arrivals {
             }
             f((e - 1) as usize);
             t += 1;
-            self.tail.store(t, Ordering::Release);
+        }
+        self.drained.store(t, Ordering::Relaxed);
+        // Pages drained whole go back, then the producers may come round to them.
+        let from = self.tail.load(Ordering::Relaxed);
+        let to = t - t % ARRIVALS_PER_PAGE;
+        for page in (from..to).step_by(ARRIVALS_PER_PAGE as usize) {
+            // SAFETY: every entry of this page was written and drained (it reads as zero), and
+            // no producer may write into it again before `tail` passes it, below.
+            unsafe {
+                let _ = sys::discard(self.entry(page) as *const AtomicU32 as usize, PAGE_SIZE);
+            }
+        }
+        if to > from {
+            self.tail.store(to, Ordering::Release);
         }
     }
 
