@@ -107,7 +107,7 @@ pub fn print(program: &str, status: &str, c: &Collected) {
         eprintln!(
             "  process  {} anonymous + page tables at peak (a memory cgroup's charge): {} more than managed DRAM (memtide's page state, unmanaged memory)",
             bytes(s.process_peak_anon_bytes),
-            bytes(s.process_peak_anon_bytes.saturating_sub(s.peak_dram_bytes))
+            bytes(crate::bench::beyond_quota(s, 0))
         );
     }
     let cov = coverage(peak);

@@ -191,11 +191,7 @@ impl StagingRing {
 
     /// The first slot of a whole chunk (one 2 MiB-aligned run of [`CHUNK_SLOTS`] slots).
     fn first_chunk_slot(&self) -> u64 {
-        let off = self.area.addr() % (CHUNK_SLOTS as usize * PAGE_SIZE);
-        (if off == 0 {
-            0
-        } else {
-            (CHUNK_SLOTS as usize * PAGE_SIZE - off) / PAGE_SIZE
-        }) as u64
+        let addr = self.area.addr();
+        ((sys::round_up(addr, CHUNK_SLOTS as usize * PAGE_SIZE) - addr) / PAGE_SIZE) as u64
     }
 }
