@@ -344,11 +344,15 @@ pub fn budget_bytes(footprint: u64, pct: f64) -> u64 {
 }
 
 /// What a memtide run kept in DRAM beyond its managed pages, as a memory cgroup would count it
-/// for Linux swap: its peak anonymous memory and page tables less its peak managed DRAM. The
-/// program's and libraries' file pages are left out: the page cache already held them, so the
-/// swap run's cgroup is not charged for them (VmHWM counts them: 10 MiB for redis). Statistics
-/// from before that figure existed fall back to `peak_rss` (VmHWM).
+/// for Linux swap: the most anonymous memory and page tables it held outside managed DRAM at
+/// one snapshot. The program's and libraries' file pages are left out: the page cache already
+/// held them, so the swap run's cgroup is not charged for them (VmHWM counts them: 10 MiB for
+/// redis). Statistics from before that figure existed fall back to the peak anonymous memory,
+/// or to `peak_rss` (VmHWM), less the peak managed DRAM.
 pub fn beyond_quota(s: &memtide_engine::Snapshot, peak_rss: u64) -> u64 {
+    if s.process_peak_unmanaged_bytes > 0 {
+        return s.process_peak_unmanaged_bytes;
+    }
     let resident = match s.process_peak_anon_bytes {
         0 => peak_rss,
         anon => anon,

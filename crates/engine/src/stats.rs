@@ -162,6 +162,9 @@ pub struct Counters {
     /// The most anonymous memory and page tables the process held when a snapshot was taken
     /// (see [`Snapshot::process_peak_anon_bytes`]).
     pub peak_process_anon_bytes: AtomicU64,
+    /// The most of it outside managed DRAM at one snapshot (see
+    /// [`Snapshot::process_peak_unmanaged_bytes`]).
+    pub peak_process_unmanaged_bytes: AtomicU64,
     pub active_pages: AtomicU64,
     /// Pages of memory currently allocated to the program in managed regions (reservations
     /// not yet committed included).
@@ -221,6 +224,12 @@ pub struct Snapshot {
     /// held (0 in statistics from before this field).
     #[serde(default)]
     pub process_peak_anon_bytes: u64,
+    /// The most of that anonymous memory and page tables outside managed DRAM, the two taken
+    /// at the same snapshot: memtide's own state and what it does not manage. (The anonymous
+    /// peak less the DRAM peak would mix a sampled figure with an exact one, taken at
+    /// different times; it can come out at 0.) 0 in statistics from before this field.
+    #[serde(default)]
+    pub process_peak_unmanaged_bytes: u64,
     #[serde(default)]
     pub discarded_bytes: u64,
     pub faults_zero: u64,

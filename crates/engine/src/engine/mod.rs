@@ -530,11 +530,16 @@ impl Engine {
             (s.in_use(), s.len(), s.limit())
         };
         let status = StatusMemory::read();
+        let dram_bytes = self.quota.resident() * page;
+        Counters::peak(
+            &c.peak_process_unmanaged_bytes,
+            status.anon.saturating_sub(dram_bytes),
+        );
         Snapshot {
             pid: self.pid,
             elapsed_seconds: (sys::now_ns() - self.start_ns) as f64 / 1e9,
             quota_bytes: self.quota.wm().quota * page,
-            dram_bytes: self.quota.resident() * page,
+            dram_bytes,
             peak_dram_bytes: r(&c.peak_resident_pages) * page,
             inactive_bytes: self.ring.staged.load(Ordering::Relaxed) * page,
             tier_bytes: tier_pages * page,
@@ -549,6 +554,7 @@ impl Engine {
                 Counters::peak(&c.peak_process_anon_bytes, status.anon);
                 r(&c.peak_process_anon_bytes)
             },
+            process_peak_unmanaged_bytes: r(&c.peak_process_unmanaged_bytes),
             discarded_bytes: r(&c.discarded_pages) * page,
             faults_zero: r(&c.faults_zero),
             faults_tier: r(&c.faults_tier),
