@@ -32,11 +32,19 @@
 //! to see it used twice (S grows by a page), one that comes back soon after it left M says M
 //! was too short (S shrinks by a page, down to 0.1% of the quota, up to half of it). "Soon" is
 //! within [`ADAPT_GENERATIONS`] of the sixteen ghost generations: the same number of the
-//! queue's own most recent evictions for both, so the two signals weigh alike. Only a page
-//! that left S joins M on its return (S3-FIFO's rule); one that left M starts again in S. A
-//! fixed share of 10% loses where the program's working set is as large as DRAM (every page
-//! S holds on probation is one of it missing) and where hot sets shift (S too short to
-//! catch new hot pages on their second use).
+//! queue's own most recent evictions for both, so the two signals weigh alike. A page that
+//! left S joins M on its return (S3-FIFO's rule). One that left M starts again in S, with two
+//! exceptions for one back soon:
+//!
+//! - if it had been seen used in M, it returns to M when it leaves S, used there or not: S's
+//!   probation, sized for new pages, is shorter than the next use of a page M already knew,
+//!   and without this it would pay a second miss (out of S, then back as S's ghost);
+//! - while S's share is 1% of the quota or less (returns from M shrank it: the working set is
+//!   about as large as DRAM), it joins M at once, as a page back from S does.
+//!
+//! A fixed share of 10% loses where the program's working set is as large as DRAM (every page
+//! S holds on probation is one of it missing) and where hot sets shift (S too short to catch
+//! new hot pages on their second use).
 //!
 //! Ghosts are stamps in a byte per page (the generation of the queue's evictions, modulo 256),
 //! recent for about as many evictions as 90% of the quota (S3-FIFO's ghost queue size); no
@@ -88,6 +96,15 @@ const GHOST: u8 = 8;
 /// With GHOST: the page left from M (its stamp counts M's evictions, not S's). Shares
 /// PROBED's bit, which only a page in DRAM has.
 const FROM_MAIN: u8 = 4;
+/// With IN_MAIN: seen used since it joined M. Shares GHOST's bit, which only a page out of DRAM
+/// has.
+const USED_IN_MAIN: u8 = 8;
+/// With GHOST and FROM_MAIN: it had been seen used in M. Shares STAGED's bit, which only a page
+/// in DRAM has.
+const WAS_USED_IN_MAIN: u8 = 32;
+/// With IN_SMALL: back soon from M, where it had been used; it returns to M when it leaves S,
+/// used there or not. Shares a CREDIT bit, which only a page in M has.
+const RETURNING: u8 = 64;
 /// Kept by the compaction under way (see [`Placement::compact`]).
 const KEPT: u8 = 16;
 /// Staged by placement and not seen used since.
@@ -279,7 +296,13 @@ impl Placement {
                 (self.small_target + 1).min(Self::small_max(self.quota))
             };
         }
-        let ghost = f & GHOST != 0 && f & FROM_MAIN == 0 && age < GHOST_GENERATIONS;
+        let from_small = f & GHOST != 0 && f & FROM_MAIN == 0 && age < GHOST_GENERATIONS;
+        let soon_from_main = f & GHOST != 0 && f & FROM_MAIN != 0 && age < ADAPT_GENERATIONS;
+        // S at 1% of the quota or less: returns from M shrank it that far, and its probation is
+        // shorter than such a page's next use would take.
+        let small_is_short = self.small_target <= self.quota / 100;
+        let ghost = from_small || soon_from_main && small_is_short;
+        let returning = soon_from_main && f & WAS_USED_IN_MAIN != 0;
         if self.small.len() as u64 > 2 * self.small_len + 1024
             || self.arrivals.len() as u64 > 2 * (self.small_len + self.main_len) + 1024
         {
@@ -291,7 +314,7 @@ impl Placement {
             self.push_main(i);
             Queue::Main
         } else {
-            self.flags[i] = IN_SMALL;
+            self.flags[i] = IN_SMALL | if returning { RETURNING } else { 0 };
             self.small.push_back(i as u32);
             self.small_len += 1;
             Queue::Small
@@ -385,7 +408,8 @@ impl Placement {
                 Residence::Staged => {
                     if pages.evict(i) {
                         self.unlink_main(i);
-                        self.flags[i] = GHOST | FROM_MAIN;
+                        let used = self.flags[i] & USED_IN_MAIN != 0;
+                        self.flags[i] = GHOST | FROM_MAIN | if used { WAS_USED_IN_MAIN } else { 0 };
                         self.stamp[i] = self.main_generation();
                         self.main_evictions += 1;
                         done.from_main += 1;
@@ -431,6 +455,20 @@ impl Placement {
                 self.flags[i] = IN_MAIN | STAGED;
                 self.push_main(i);
                 self.judge(pages, i);
+                self.flags[i] &= !USED_IN_MAIN;
+                done.promoted += 1;
+            }
+            r @ (Residence::Mapped | Residence::Staged) if f & RETURNING != 0 => {
+                // Not used in S, but used in M before it left: back to M, staged now if the
+                // probe has not staged it.
+                self.small_len -= 1;
+                self.push_main(i);
+                if r == Residence::Staged {
+                    self.flags[i] = IN_MAIN | STAGED;
+                } else {
+                    self.flags[i] = IN_MAIN;
+                    self.judge(pages, i);
+                }
                 done.promoted += 1;
             }
             Residence::Mapped | Residence::Staged => {
@@ -461,10 +499,11 @@ impl Placement {
     fn judge(&mut self, pages: &mut impl Pages, i: usize) -> bool {
         let f = self.flags[i];
         let mut credit = (f & CREDIT) >> CREDIT_SHIFT;
+        let mut rest = f & !(STAGED | CREDIT);
         if f & STAGED != 0 {
             credit = CREDIT_ON_USE;
+            rest |= USED_IN_MAIN;
         }
-        let rest = f & !(STAGED | CREDIT);
         if credit > 0 {
             self.flags[i] = rest | (credit - 1) << CREDIT_SHIFT;
             return false;
@@ -739,10 +778,17 @@ mod tests {
         let mut m = Toy::new(8);
         // A page that keeps coming back soon after leaving M shrinks S a page each time, to
         // 0.1% of the quota and no further.
+        // Once S's share is 1% of the quota (10 pages) or less, such a page joins M at once.
         for k in 1..=200 {
             out_of_main(&mut p, &mut m, 0);
-            assert_eq!(arrive(&mut p, &mut m, 0), Queue::Small);
-            assert_eq!(p.small_target(), 100u64.saturating_sub(k).max(1));
+            let target = 100u64.saturating_sub(k).max(1);
+            let queue = if target <= 10 {
+                Queue::Main
+            } else {
+                Queue::Small
+            };
+            assert_eq!(arrive(&mut p, &mut m, 0), queue);
+            assert_eq!(p.small_target(), target);
             p.forget(0);
         }
         // One that keeps coming back soon after leaving S grows it, to half the quota.
@@ -763,6 +809,46 @@ mod tests {
         p.small_target = 1;
         p.set_quota(10_000);
         assert_eq!(p.small_target(), 10);
+    }
+
+    #[test]
+    fn a_page_used_in_main_comes_back_from_small_to_main() {
+        // Quota 1000: S's share 100, well above 1% of the quota.
+        let mut p = Placement::new(8, 1000);
+        let mut m = Toy::new(8);
+        // Page 0 in M is used after the hand staged it, then left unused for a pass: it leaves.
+        // (One staging per call, so that each call is one visit of the hand.)
+        p.flags[0] = IN_MAIN;
+        p.push_main(0);
+        m.res[0] = Residence::Mapped;
+        p.set_stage_limit(1);
+        assert_eq!(p.evict(&mut m, 1).staged, 1);
+        m.touch(0);
+        // Seen used: it spends its pass of credit, and is staged on the next visit.
+        let e = p.evict(&mut m, 1);
+        assert_eq!((e.staged, e.total()), (1, 0));
+        assert_eq!(p.evict(&mut m, 1).from_main, 1);
+        assert_eq!(m.out, [0]);
+        // Back soon, it starts in S; not used there, it goes back to M, not out of DRAM.
+        assert_eq!(arrive(&mut p, &mut m, 0), Queue::Small);
+        assert_eq!(m.res[0], Residence::Staged);
+        // (Page 2, staged and unused in M, is there for the hand to take instead.)
+        p.flags[2] = IN_MAIN | STAGED;
+        p.push_main(2);
+        m.res[2] = Residence::Staged;
+        p.small_target = 0;
+        let e = p.evict(&mut m, 1);
+        assert_eq!((e.promoted, e.from_small, e.from_main), (1, 0, 1));
+        assert_eq!(m.out, [0, 2]);
+        assert!(p.holds(0));
+        assert_eq!((p.small_len(), p.main_len()), (0, 1));
+        // A page M never saw used (page 1) goes out of DRAM from S as before.
+        p.forget(0);
+        p.small_target = 100;
+        out_of_main(&mut p, &mut m, 1);
+        assert_eq!(arrive(&mut p, &mut m, 1), Queue::Small);
+        out_of_small(&mut p, &mut m, 1);
+        assert!(!p.holds(1));
     }
 
     #[test]
