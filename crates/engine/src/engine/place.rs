@@ -28,6 +28,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 use memtide_policy::{Pages, Placement, Relief, Residence, Watermarks, PAGE_SIZE};
 
+use super::ring::U32S_PER_PAGE;
 use super::Engine;
 use crate::pages::State;
 use crate::stats::Counters;
@@ -35,9 +36,6 @@ use crate::sys::{self, Mapping};
 
 /// Arrivals the queue holds before the evictor must have drained it.
 const ARRIVALS: u64 = 1 << 20;
-
-/// Entries in one page of the arrivals queue.
-const ARRIVALS_PER_PAGE: u64 = (PAGE_SIZE / 4) as u64;
 
 /// Pages brought into DRAM, in the order they came, for the evictor to place. Producers are
 /// the fault paths (one compare-and-swap and a store: async-signal-safe); the evictor is the
@@ -109,8 +107,8 @@ impl Arrivals {
         self.drained.store(t, Ordering::Relaxed);
         // Pages drained whole go back, then the producers may come round to them.
         let from = self.tail.load(Ordering::Relaxed);
-        let to = t - t % ARRIVALS_PER_PAGE;
-        for page in (from..to).step_by(ARRIVALS_PER_PAGE as usize) {
+        let to = t - t % U32S_PER_PAGE;
+        for page in (from..to).step_by(U32S_PER_PAGE as usize) {
             // SAFETY: every entry of this page was written and drained (it reads as zero), and
             // no producer may write into it again before `tail` passes it, below.
             unsafe {

@@ -21,6 +21,10 @@ use memtide_policy::PAGE_SIZE;
 
 use crate::sys::{self, Mapping};
 
+/// 32-bit entries in one page: the staging ring's entries and placement's arrivals queue give
+/// their pages back a page of entries at a time.
+pub(super) const U32S_PER_PAGE: u64 = (PAGE_SIZE / std::mem::size_of::<u32>()) as u64;
+
 /// An entry naming nothing.
 pub(super) const RING_EMPTY: u32 = 0;
 /// An entry whose page the program freed while it was staged.
@@ -146,8 +150,7 @@ impl StagingRing {
         });
         // The entries of those slots are all empty (zero): their pages go back too, a page
         // of entries at a time.
-        let per_page = (PAGE_SIZE / 4) as u64;
-        self.spent_runs(from, to, 0, per_page, |first| {
+        self.spent_runs(from, to, 0, U32S_PER_PAGE, |first| {
             // SAFETY: entries of slots behind the tail that the head has not reached again:
             // nobody writes them, and they read as empty (zero) before and after.
             unsafe {
