@@ -531,6 +531,7 @@ impl Engine {
         };
         let status = StatusMemory::read();
         let dram_bytes = self.quota.resident() * page;
+        Counters::peak(&c.peak_process_anon_bytes, status.anon);
         Counters::peak(
             &c.peak_process_unmanaged_bytes,
             status.anon.saturating_sub(dram_bytes),
@@ -550,10 +551,7 @@ impl Engine {
             active_bytes: r(&c.active_pages) * page,
             process_rss_bytes: process_rss_bytes(),
             process_peak_rss_bytes: status.peak_rss,
-            process_peak_anon_bytes: {
-                Counters::peak(&c.peak_process_anon_bytes, status.anon);
-                r(&c.peak_process_anon_bytes)
-            },
+            process_peak_anon_bytes: r(&c.peak_process_anon_bytes),
             process_peak_unmanaged_bytes: r(&c.peak_process_unmanaged_bytes),
             discarded_bytes: r(&c.discarded_pages) * page,
             faults_zero: r(&c.faults_zero),

@@ -154,7 +154,7 @@ impl StagingRing {
             // SAFETY: entries of slots behind the tail that the head has not reached again:
             // nobody writes them, and they read as empty (zero) before and after.
             unsafe {
-                let _ = sys::discard(self.entries.addr() + first as usize * 4, PAGE_SIZE);
+                let _ = sys::discard(self.entry(first) as *const AtomicU32 as usize, PAGE_SIZE);
             }
         });
     }
