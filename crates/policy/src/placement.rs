@@ -450,12 +450,12 @@ impl Placement {
         }
         match pages.residence(i) {
             Residence::Mapped if f & PROBED != 0 => {
-                // Used after it was staged: into M, staged again there.
+                // Used after it was staged: into M with the credit of a use (a use in S, not
+                // one in M).
                 self.small_len -= 1;
-                self.flags[i] = IN_MAIN | STAGED;
+                self.flags[i] = IN_MAIN;
                 self.push_main(i);
-                self.judge(pages, i);
-                self.flags[i] &= !USED_IN_MAIN;
+                self.pass(pages, i, CREDIT_ON_USE);
                 done.promoted += 1;
             }
             r @ (Residence::Mapped | Residence::Staged) if f & RETURNING != 0 => {
@@ -467,7 +467,7 @@ impl Placement {
                     self.flags[i] = IN_MAIN | STAGED;
                 } else {
                     self.flags[i] = IN_MAIN;
-                    self.judge(pages, i);
+                    self.pass(pages, i, 0);
                 }
                 done.promoted += 1;
             }
@@ -493,17 +493,22 @@ impl Placement {
         }
     }
 
-    /// Page `i` of M is mapped: used since placement staged it (it earns the credit of a use),
-    /// or never staged since its credit ran out. Spends a pass of credit if it has any;
-    /// otherwise stages it. Returns whether it staged it.
+    /// Page `i` of M is mapped: used since placement staged it (it earns the credit of a use,
+    /// and is marked used in M), or never staged since its credit ran out. Returns whether it
+    /// staged it (see [`pass`](Self::pass)).
     fn judge(&mut self, pages: &mut impl Pages, i: usize) -> bool {
         let f = self.flags[i];
-        let mut credit = (f & CREDIT) >> CREDIT_SHIFT;
-        let mut rest = f & !(STAGED | CREDIT);
         if f & STAGED != 0 {
-            credit = CREDIT_ON_USE;
-            rest |= USED_IN_MAIN;
+            self.flags[i] = f & !STAGED | USED_IN_MAIN;
+            return self.pass(pages, i, CREDIT_ON_USE);
         }
+        self.pass(pages, i, (f & CREDIT) >> CREDIT_SHIFT)
+    }
+
+    /// The hand passes page `i` of M, mapped, with `credit` passes to skip: it spends one if it
+    /// has any; otherwise it stages the page. Returns whether it staged it.
+    fn pass(&mut self, pages: &mut impl Pages, i: usize, credit: u8) -> bool {
+        let rest = self.flags[i] & !(STAGED | CREDIT);
         if credit > 0 {
             self.flags[i] = rest | (credit - 1) << CREDIT_SHIFT;
             return false;
