@@ -12,7 +12,7 @@ use clap::Args;
 use memtide_bench::{opts, preflight};
 use memtide_engine::size::format as bytes;
 use memtide_host::client::{default_socket, Client};
-use memtide_host::daemon::{self, Host, HostConfig, Shared};
+use memtide_host::daemon::{self, Host, HostConfig, HttpView, Shared};
 use memtide_host::metrics;
 use memtide_host::protocol::{HostStatus, Request, Response, TenantStatus};
 use memtide_policy::share::ShareRules;
@@ -49,9 +49,30 @@ pub struct HostArgs {
     #[arg(long)]
     pub encrypt_tier: bool,
     /// Serve the dashboard (/), Prometheus metrics (/metrics) and the status as JSON
-    /// (/api/status) on this address; `off` for none.
+    /// (/api/status) on this address; `off` for none. Anyone who reaches the address reads it
+    /// (on loopback: every local user); it answers only requests whose Host is an IP address
+    /// or localhost.
     #[arg(long, default_value = "127.0.0.1:9464")]
     pub metrics: String,
+    /// What the HTTP side shows: `tenants` (each tenant's name, pid, uid and figures, as
+    /// Prometheus labels and on the dashboard) or `host` (the host's totals only). Default:
+    /// `host` when --group lets other users be tenants (on the socket a member sees only its
+    /// own tenant), `tenants` otherwise.
+    #[arg(long, value_parser = http_view)]
+    pub http_view: Option<HttpView>,
+    /// A tenant that sends no report for this long leaves (its quota and tier share go back),
+    /// and a client connection that says nothing for this long is closed. Tenants report
+    /// every --stats-interval of their `memtide run` (1 s unless told otherwise).
+    #[arg(long, value_parser = opts::seconds, default_value = "30s")]
+    pub tenant_timeout: f64,
+}
+
+fn http_view(s: &str) -> Result<HttpView, String> {
+    match s {
+        "tenants" => Ok(HttpView::Tenants),
+        "host" => Ok(HttpView::Host),
+        _ => Err(format!("`{s}`: expected tenants or host")),
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -124,6 +145,13 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
         bail!("--tier {}: not a directory", a.tier.display());
     }
     let metrics_at = metrics_addr(&a.metrics)?;
+    let duration = |flag: &str, secs: f64| {
+        Duration::try_from_secs_f64(secs).map_err(|_| anyhow::anyhow!("{flag} {secs}: too long"))
+    };
+    let (epoch, silence) = (
+        duration("--epoch", a.epoch)?,
+        duration("--tenant-timeout", a.tenant_timeout)?,
+    );
     let cfg = HostConfig {
         budget_bytes,
         tier_dir: a.tier.clone(),
@@ -132,9 +160,16 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
             .unwrap_or((budget_bytes as f64 * a.ratio) as u64),
         socket: a.socket.clone(),
         group: a.group.as_deref().map(group_id).transpose()?,
-        epoch: Duration::from_secs_f64(a.epoch),
+        epoch,
         rules: ShareRules::default(),
         encrypt_tier: a.encrypt_tier,
+        limits: Default::default(),
+        silence,
+        http_view: a.http_view.unwrap_or(if a.group.is_some() {
+            HttpView::Host
+        } else {
+            HttpView::Tenants
+        }),
     };
     let listener = daemon::bind(&cfg)?;
     let shared = Shared::new(Host::new(cfg.clone()));
@@ -144,7 +179,7 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
             Some(metrics::serve_http(
                 addr,
                 metrics::Routes {
-                    status: Box::new(move || s.lock().status(None)),
+                    status: Box::new(move || s.lock().http_status()),
                     history: Some(Box::new(move || h.lock().history_json())),
                 },
             )?)

@@ -150,6 +150,10 @@ struct View {
     tenant: u64,
 }
 
+/// The longest --stats-interval under --host: tenants report that often, well within the
+/// daemon's --tenant-timeout (30 s unless told otherwise).
+const MAX_REPORT_INTERVAL: f64 = 10.0;
+
 /// The tenant's connection to the host daemon: registers, reports, and keeps the last quota
 /// when the daemon goes away (registering again when it returns).
 struct HostLink {
@@ -287,6 +291,12 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
             .file_name()
             .map_or_else(|| program.clone(), |n| n.to_string_lossy().into_owned())
     });
+    if a.host.is_some() && a.stats_interval > MAX_REPORT_INTERVAL {
+        bail!(
+            "--stats-interval {}s: under --host at most {MAX_REPORT_INTERVAL}s (the program reports to the daemon that often, and the daemon lets go of a tenant that stays silent)",
+            a.stats_interval
+        );
+    }
     // Under a host daemon: register first (a refusal ends here, before the program starts).
     let (mut link, grant) = match a
         .host

@@ -8,8 +8,10 @@ mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{memtide, require, Scratch, Server};
@@ -21,12 +23,35 @@ struct Daemon {
     server: Server,
     socket: PathBuf,
     metrics: u16,
+    /// What it has logged so far.
+    log: Arc<Mutex<Vec<String>>>,
 }
 
 fn start_daemon(dir: &Path, budget: &str, extra: &[&str]) -> Daemon {
+    start_daemon_with(dir, budget, extra, None)
+}
+
+/// [`start_daemon`], with at most `files` open file descriptors if given.
+fn start_daemon_with(dir: &Path, budget: &str, extra: &[&str], files: Option<u64>) -> Daemon {
     let socket = dir.join("host.sock");
     let port = common::free_port();
-    let child = memtide()
+    let mut cmd = memtide();
+    if let Some(n) = files {
+        // SAFETY: setrlimit is async-signal-safe and touches only the child.
+        unsafe {
+            cmd.pre_exec(move || {
+                let r = libc::rlimit {
+                    rlim_cur: n,
+                    rlim_max: n,
+                };
+                if libc::setrlimit(libc::RLIMIT_NOFILE, &r) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            })
+        };
+    }
+    let child = cmd
         .args(["host", "--dram", budget, "--tier"])
         .arg(dir)
         .arg("--socket")
@@ -48,15 +73,19 @@ fn start_daemon(dir: &Path, budget: &str, extra: &[&str]) -> Daemon {
     err.read_line(&mut line).unwrap();
     assert!(line.contains("sharing"), "daemon did not start: {line}");
     // Keep draining its log so it never blocks on a full pipe; echo it for failures.
+    let log = Arc::new(Mutex::new(vec![line]));
+    let kept = log.clone();
     std::thread::spawn(move || {
         for l in err.lines().map_while(Result::ok) {
-            eprintln!("[daemon] {l}");
+            eprintln!("[daemon] {}", l.escape_debug());
+            kept.lock().unwrap().push(l);
         }
     });
     Daemon {
         server,
         socket,
         metrics: port,
+        log,
     }
 }
 
@@ -879,4 +908,298 @@ fn top_and_dashboard_show_every_tenant_and_a_red_one_red() {
     }
     finished_clean(calm, "calm tenant");
     finished_clean(hot, "hot tenant");
+}
+
+/// What a hostile member of the socket's group does, phase by phase, as nobody: each phase
+/// ends with one JSON line on stdout; the flood waits for a line on stdin before it lets go.
+const HOSTILE: &str = r#"
+import json, os, socket, sys, time
+path, taken = sys.argv[1], int(sys.argv[2])
+def connect():
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(path)
+    return s, s.makefile('rwb')
+def call(f, msg):
+    f.write((msg if isinstance(msg, bytes) else json.dumps(msg).encode()) + b'\n')
+    f.flush()
+    return json.loads(f.readline())
+def say(**kw):
+    print(json.dumps(kw), flush=True)
+s0, f0 = connect()
+wrap = 2**64 - taken + 65536
+a = {}
+a['wrap_register'] = call(f0, {"register": {"name": "x", "pid": os.getpid(), "min_bytes": wrap}})
+name = "evil\x1b[2J\x1b]0;owned\x07\nmemtide host: tenant 1 (roots) left"
+a['register'] = call(f0, {"register": {"name": name, "pid": 1, "min_bytes": 64 << 20}})
+a['wrap_set'] = call(f0, {"set": {"min_bytes": wrap}})
+figures = dict(dram_bytes=2**63, tier_bytes=2**63, tier_limit_bytes=2**64 - 1,
+    managed_bytes=2**64 - 1, active_bytes=2**64 - 1, faults_zero=2**64 - 1,
+    faults_tier=2**64 - 1, faults_inactive=2**64 - 1, faults_wait=0, promotions=0,
+    demotions=0, tier_read_bytes=0, tier_write_bytes=0, tier_read_latency_buckets=[],
+    tier_read_latency_sum_us=0.0, tier_reads=0, tier_read_latency_p50_us=0.0,
+    tier_read_latency_p99_us=0.0)
+a['inflated'] = call(f0, {"report": figures})
+a['buckets'] = call(f0, {"report": dict(figures, tier_reads=100,
+    tier_read_latency_buckets=[[float(i + 1), 1] for i in range(65)])})
+a['huge'] = call(f0, {"report": dict(figures, tier_reads=100,
+    tier_read_latency_buckets=[[float(i + 1), 1] for i in range(20000)])})
+a['negative'] = call(f0, {"report": dict(figures, tier_read_latency_p99_us=-1.0)})
+a['garbage'] = call(f0, b'{"report": {"dram_bytes": 1e400}}')
+a['again'] = call(f0, {"report": figures})
+say(phase="terms", answers=a)
+flood = []
+for _ in range(100):
+    try:
+        flood.append(connect()[0])
+    except OSError:
+        break
+time.sleep(0.5)
+refused = 0
+for c in flood:
+    c.setblocking(False)
+    try:
+        if c.recv(4096):
+            refused += 1
+    except BlockingIOError:
+        pass
+say(phase="flood", opened=len(flood), refused=refused)
+sys.stdin.readline()
+for c in flood:
+    c.close()
+s1, f1 = connect()
+t0 = time.time()
+f1.write(b'"status"\n' * 100)
+f1.flush()
+for _ in range(100):
+    json.loads(f1.readline())
+say(phase="requests", seconds=time.time() - t0)
+s2, f2 = connect()
+quiet = call(f2, {"register": {"name": "quiet", "pid": os.getpid(), "min_bytes": 64 << 20}})
+t0 = time.time()
+gone = None
+while time.time() - t0 < 10:
+    try:
+        f2.write(b'"status"\n')
+        f2.flush()
+        if not f2.readline():
+            gone = time.time() - t0
+            break
+    except OSError:
+        gone = time.time() - t0
+        break
+    time.sleep(0.5)
+say(phase="silent", tenant=quiet["registered"]["tenant"], closed_after=gone)
+"#;
+
+/// CPU seconds a process has used (user + system).
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let f: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
+    let ticks: f64 = f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap();
+    ticks / 100.0
+}
+
+fn has_control(s: &str) -> bool {
+    s.chars().any(|c| c.is_control() && c != '\n')
+}
+
+#[test]
+fn a_hostile_member_cannot_take_the_host() {
+    require("/usr/bin/python3");
+    require("setpriv");
+    let dir = Scratch::new("host-hostile");
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let budget = 512 * MIB;
+    // Few file descriptors: a flood that reached the daemon's limit would show at once.
+    let d = start_daemon_with(
+        dir.path(),
+        "512MiB",
+        &["--group", "nogroup", "--tenant-timeout", "3s"],
+        Some(128),
+    );
+    let daemon_pid = d.server.0.id();
+    let roots = workload_tenant(
+        &d.socket,
+        "roots",
+        "128MiB",
+        &["--footprint", "96MiB", "--seconds", "15"],
+    );
+    let t0 = Instant::now();
+    while tenant(&status(&d.socket), "roots").is_none() {
+        assert!(t0.elapsed() < Duration::from_secs(10), "roots never joined");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let mut hostile = Command::new("setpriv")
+        .args([
+            "--reuid=nobody",
+            "--regid=nogroup",
+            "--clear-groups",
+            "/usr/bin/python3",
+            "-c",
+            HOSTILE,
+        ])
+        .arg(&d.socket)
+        .arg((128 * MIB).to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut said = BufReader::new(hostile.stdout.take().unwrap()).lines();
+    let mut next = |phase: &str| -> serde_json::Value {
+        let l = said
+            .next()
+            .unwrap_or_else(|| panic!("the hostile client ended before {phase}"))
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_str(&l).unwrap();
+        assert_eq!(v["phase"], phase, "{v}");
+        v
+    };
+
+    // Overflowing and absurd numbers, oversized and malformed reports.
+    let terms = next("terms");
+    let a = &terms["answers"];
+    let refused = |k: &str, needle: &str| {
+        let m = a[k]["error"]["message"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{k} was not refused: {}", a[k]));
+        assert!(m.contains(needle), "{k}: {needle:?} not in {m:?}");
+    };
+    refused("wrap_register", "cannot guarantee");
+    refused("wrap_set", "cannot guarantee");
+    refused("buckets", "latency buckets");
+    refused("huge", "longer than");
+    refused("negative", "at least 0");
+    refused("garbage", "malformed");
+    let id = a["register"]["registered"]["tenant"].as_u64().unwrap();
+    for k in ["inflated", "again"] {
+        assert!(
+            a[k]["quota"]["quota_bytes"].as_u64().is_some(),
+            "{k}: {}",
+            a[k]
+        );
+    }
+    let s = status(&d.socket);
+    check_quotas(&s, budget);
+    let evil = s["tenants"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["tenant"] == id)
+        .expect("the hostile tenant is listed")
+        .clone();
+    let name = evil["name"].as_str().unwrap();
+    assert!(!has_control(name) && !name.contains('\n'), "{name:?}");
+    // What it claims is bounded by what its processes map (a python: well under 1 GiB), and it
+    // gets no more than the budget it would take from the others.
+    let managed = evil["report"]["managed_bytes"].as_u64().unwrap();
+    assert!(managed < 1 << 30, "managed {managed}");
+    assert!(evil["report"]["active_bytes"].as_u64().unwrap() <= managed);
+    assert_ne!(evil["pid"], 1, "pid 1 is not the hostile client's");
+    let r = tenant(&s, "roots").unwrap();
+    assert!(r["quota_bytes"].as_u64().unwrap() >= 128 * MIB, "{r}");
+
+    // A flood of connections: the member holds a bounded number, the daemon stays idle and
+    // everyone else is served.
+    let flood = next("flood");
+    let (opened, turned) = (
+        flood["opened"].as_u64().unwrap(),
+        flood["refused"].as_u64().unwrap(),
+    );
+    assert_eq!(opened, 100, "{flood}");
+    assert!(turned >= 100 - 31, "only {turned} of 100 refused");
+    let cpu0 = (cpu_seconds(daemon_pid), Instant::now());
+    std::thread::sleep(Duration::from_secs(2));
+    let s = status(&d.socket);
+    check_quotas(&s, budget);
+    let o = memtide()
+        .arg("run")
+        .arg(format!("--host={}", d.socket.display()))
+        .args(["--dram", "64MiB", "-q", "--", "true"])
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "a new tenant could not join: {}",
+        common::stderr(&o)
+    );
+    let busy = (cpu_seconds(daemon_pid) - cpu0.0) / cpu0.1.elapsed().as_secs_f64();
+    assert!(busy < 0.2, "the daemon used {:.0}% of a CPU", busy * 100.0);
+    hostile.stdin.as_mut().unwrap().write_all(b"go\n").unwrap();
+
+    // A flood of requests waits at the member's rate.
+    let cpu0 = (cpu_seconds(daemon_pid), Instant::now());
+    let req = next("requests");
+    let took = req["seconds"].as_f64().unwrap();
+    assert!(took > 2.0, "100 requests served in {took:.2} s");
+    let busy = (cpu_seconds(daemon_pid) - cpu0.0) / cpu0.1.elapsed().as_secs_f64();
+    assert!(busy < 0.2, "the daemon used {:.0}% of a CPU", busy * 100.0);
+
+    // A tenant that stops reporting leaves, and its minimum goes back: one whose connection
+    // went silent (the first, idle through the flood), and one that only asks for the status.
+    let silent = next("silent");
+    let after = silent["closed_after"].as_f64().expect("never let go");
+    assert!((2.5..8.0).contains(&after), "{silent}");
+    let quiet = silent["tenant"].as_u64().unwrap();
+    let s = status(&d.socket);
+    for gone in [id, quiet] {
+        assert!(
+            !s["tenants"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|t| t["tenant"] == gone),
+            "{s}"
+        );
+    }
+    assert!(hostile.wait().unwrap().success());
+
+    // The HTTP side: with --group it shows the host's totals only, and a request by a name
+    // (as a rebinding web page makes) is refused.
+    let port = d.metrics;
+    let metrics = http_get(port, "/metrics").unwrap();
+    assert!(
+        metrics.contains("memtide_host_dram_budget_bytes"),
+        "{metrics}"
+    );
+    assert!(!metrics.contains("roots"), "{metrics}");
+    let api = http_get(port, "/api/status").unwrap();
+    assert!(!api.contains("roots"), "{api}");
+    let mut c = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(
+        c,
+        "GET /metrics HTTP/1.1\r\nHost: rebound.example:{port}\r\n\r\n"
+    )
+    .unwrap();
+    let mut answer = String::new();
+    c.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
+
+    // Nothing the daemon or `memtide status` printed carries a raw control character.
+    let text = memtide()
+        .args(["status", "--socket"])
+        .arg(&d.socket)
+        .output()
+        .unwrap();
+    assert!(!has_control(&String::from_utf8_lossy(&text.stdout)));
+    finished_clean(roots, "root's tenant");
+    let log = d.log.lock().unwrap();
+    for said in ["owned", "went silent", "stopped reporting"] {
+        assert!(
+            log.iter().any(|l| l.contains(said)),
+            "{said:?} never logged"
+        );
+    }
+    // Refusals are logged, but not one line per connection.
+    let refusals = log
+        .iter()
+        .filter(|l| l.contains("refused a connection"))
+        .count();
+    assert!((1..=3).contains(&refusals), "{refusals} refusals logged");
+    for l in log.iter() {
+        assert!(!has_control(l), "raw control characters logged: {l:?}");
+    }
 }

@@ -44,7 +44,7 @@ impl Client {
         self.writer
             .write_all(protocol::encode(req).as_bytes())
             .context("the host daemon went away")?;
-        let line = match protocol::read_line(&mut self.reader)? {
+        let line = match protocol::read_line(&mut self.reader, protocol::MAX_ANSWER)? {
             Some(Ok(l)) => l,
             Some(Err(e)) => bail!("the host daemon's answer was unreadable: {e}"),
             None => bail!("the host daemon closed the connection"),

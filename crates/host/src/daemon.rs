@@ -10,9 +10,21 @@
 //! kernel who connected (`SO_PEERCRED`): root and the daemon's own user are admins and may read
 //! and change any tenant; anyone else may register one tenant on its connection and read and
 //! change only that one.
+//!
+//! # What a tenant cannot do to the others
+//!
+//! - take another's minimum or push the quotas past the budget: every sum of tenants' figures
+//!   saturates, and terms whose minimums would not fit are refused;
+//! - hold the daemon: a member holds a bounded number of connections ([`gate::Limits`]), its
+//!   requests wait beyond a rate, a connection idle for [`HostConfig::silence`] is closed,
+//!   and a tenant that sends no report for as long leaves (its shares go back);
+//! - claim what cannot be true: a report is checked ([`TenantReport::check`]) and bounded by
+//!   what its processes map (/proc, [`procs`]); the process it names must descend from the one
+//!   that connected;
+//! - write into a terminal or a log: names are kept with their control characters written out.
 
 use std::collections::BTreeMap;
-use std::io::{BufReader, Write};
+use std::io::{BufReader, ErrorKind, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
@@ -24,13 +36,32 @@ use memtide_engine::size::format as bytes;
 use memtide_policy::share::{self, Demand, ShareRules, TierDemand};
 use memtide_policy::{Health, HealthThresholds, PAGE_SIZE};
 
+use crate::gate::{self, Gate};
 use crate::history::History;
+use crate::procs;
 use crate::protocol::{
     self, Change, HostStatus, Registration, Request, Response, TenantReport, TenantStatus,
 };
 
-/// The smallest quota a tiered tenant can run with (the engine's own minimum).
+/// The smallest quota a tiered tenant can run with (the engine's own minimum), and the
+/// smallest reservation of a pinned one.
 pub const MIN_QUOTA: u64 = 64 << 10;
+
+/// How long a connection may say nothing, and a tenant send no report, before it is closed and
+/// the tenant leaves, unless told otherwise (`memtide host --tenant-timeout`). A tenant reports
+/// every `--stats-interval` of its `memtide run`, at most 10 s.
+pub const SILENCE: Duration = Duration::from_secs(30);
+
+/// What the HTTP side (the dashboard, `/metrics`, `/api/*`) shows to anyone who reaches it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HttpView {
+    /// Every tenant's figures with its name, pid and uid (what Prometheus and the dashboard
+    /// need per tenant).
+    Tenants,
+    /// The host's totals only: tenants' names and figures stay on the socket, where a member
+    /// sees only its own.
+    Host,
+}
 
 /// What the daemon is asked to do.
 #[derive(Clone, Debug)]
@@ -45,12 +76,21 @@ pub struct HostConfig {
     pub rules: ShareRules,
     /// Every tenant encrypts its tier pages.
     pub encrypt_tier: bool,
+    /// Connections and request rates of members.
+    pub limits: gate::Limits,
+    /// How long a connection may be silent ([`SILENCE`] by default).
+    pub silence: Duration,
+    pub http_view: HttpView,
 }
 
 struct Tenant {
     name: String,
     pid: u32,
     uid: u32,
+    /// The process that connected (the program descends from it).
+    peer: u32,
+    /// What its processes map (/proc, each epoch): no report may claim to manage more.
+    mapped: u64,
     pinned: bool,
     min: u64,
     max: Option<u64>,
@@ -72,8 +112,12 @@ impl Tenant {
             min: pages(self.min),
             max: self.max.map_or(u64::MAX, pages),
             pinned: self.pinned,
-            held: pages(self.report.dram_bytes + self.report.tier_bytes)
-                .max(pages(self.report.managed_bytes)),
+            held: pages(
+                self.report
+                    .dram_bytes
+                    .saturating_add(self.report.tier_bytes),
+            )
+            .max(pages(self.report.managed_bytes)),
             active: pages(self.report.active_bytes),
         }
     }
@@ -84,10 +128,11 @@ impl Tenant {
         let r = &self.report;
         TierDemand {
             pinned: self.pinned,
+            // What it may fill, and what its files still take on the filesystem.
             may_hold: if self.previous.is_none() {
                 pages(self.tier)
             } else {
-                pages(r.tier_bytes.max(r.tier_limit_bytes))
+                pages(r.tier_bytes.max(r.tier_limit_bytes).max(r.tier_file_bytes))
             },
             only_in_tier: pages(
                 r.tier_bytes
@@ -154,23 +199,34 @@ impl Host {
         self.tenants
             .iter()
             .filter(|(&id, _)| Some(id) != except)
-            .map(|(_, t)| t.min)
-            .sum()
+            .fold(0, |sum, (_, t)| sum.saturating_add(t.min))
     }
 
     /// Whether a tenant (`except`: the one being changed, if any) may have these terms: a
-    /// tiered tenant's minimum is one the engine can run with, the maximum is not below it,
-    /// and the minimums of all tenants fit the budget.
+    /// tiered tenant's minimum is one the engine can run with (a pinned one's reservation at
+    /// least as much), the maximum is not below it, and the minimums of all tenants fit the
+    /// budget.
+    /// Returns them in whole pages (rounded up: quotas are split in pages).
     fn check_terms(
         &self,
         except: Option<u64>,
         pinned: bool,
         min: u64,
         max: Option<u64>,
-    ) -> Result<(), String> {
-        if !pinned && min < MIN_QUOTA {
+    ) -> Result<(u64, Option<u64>), String> {
+        let page = |b: u64| {
+            b.checked_next_multiple_of(PAGE_SIZE as u64)
+                .ok_or_else(|| format!("{b} bytes is more than any host has"))
+        };
+        let (min, max) = (page(min)?, max.map(page).transpose()?);
+        if min < MIN_QUOTA {
             return Err(format!(
-                "a tiered tenant's minimum must be at least {}",
+                "a {}'s minimum must be at least {}",
+                if pinned {
+                    "pinned tenant"
+                } else {
+                    "tiered tenant"
+                },
                 bytes(MIN_QUOTA)
             ));
         }
@@ -182,7 +238,10 @@ impl Host {
             ));
         }
         let taken = self.guaranteed(except);
-        if taken + min > self.cfg.budget_bytes {
+        if taken
+            .checked_add(min)
+            .is_none_or(|sum| sum > self.cfg.budget_bytes)
+        {
             return Err(format!(
                 "cannot guarantee {}: {} of the host's {} is already guaranteed to other tenants",
                 bytes(min),
@@ -190,14 +249,29 @@ impl Host {
                 bytes(self.cfg.budget_bytes)
             ));
         }
-        Ok(())
+        Ok((min, max))
     }
 
-    fn register(&mut self, r: Registration, uid: u32) -> Result<u64, String> {
-        if r.name.is_empty() || r.name.len() > 200 {
-            return Err("a tenant's name must be 1 to 200 bytes".into());
+    /// Admits a tenant for the process `peer` of user `uid`, whose processes map `mapped`
+    /// bytes (`None`: not known).
+    fn register(
+        &mut self,
+        mut r: Registration,
+        uid: u32,
+        peer: u32,
+        mapped: Option<u64>,
+    ) -> Result<u64, String> {
+        if r.name.is_empty() || r.name.len() > protocol::MAX_NAME {
+            return Err(format!(
+                "a tenant's name must be 1 to {} bytes",
+                protocol::MAX_NAME
+            ));
         }
-        self.check_terms(None, r.pinned, r.min_bytes, r.max_bytes)?;
+        r.name = protocol::printable(&r.name);
+        (r.min_bytes, r.max_bytes) = self.check_terms(None, r.pinned, r.min_bytes, r.max_bytes)?;
+        if r.pid != peer && !procs::descends_from(r.pid, peer) {
+            r.pid = peer;
+        }
         let id = self.next_id;
         self.next_id += 1;
         let now = Instant::now();
@@ -221,6 +295,8 @@ impl Host {
                 name: r.name,
                 pid: r.pid,
                 uid,
+                peer,
+                mapped: mapped.unwrap_or(u64::MAX),
                 pinned: r.pinned,
                 min: r.min_bytes,
                 max: r.max_bytes,
@@ -237,10 +313,11 @@ impl Host {
         Ok(id)
     }
 
-    fn leave(&mut self, id: u64) {
+    /// Removes a tenant (`why`: how it went, for the log).
+    fn leave(&mut self, id: u64, why: &str) {
         if let Some(t) = self.tenants.remove(&id) {
             log(format!(
-                "tenant {id} ({}) left after {:.0} s; its {} quota goes back to the host",
+                "tenant {id} ({}) {why} after {:.0} s; its {} quota goes back to the host",
                 t.name,
                 t.joined.elapsed().as_secs_f64(),
                 bytes(t.quota)
@@ -249,15 +326,19 @@ impl Host {
         }
     }
 
-    /// Takes a tenant's figures; returns its quota and tier share.
-    fn report(&mut self, id: u64, r: TenantReport) -> (u64, u64) {
+    /// Takes a tenant's figures, bounded by what its processes map; returns its quota and
+    /// tier share.
+    fn report(&mut self, id: u64, mut r: TenantReport) -> (u64, u64) {
         let Some(t) = self.tenants.get_mut(&id) else {
             return (0, 0);
         };
         let now = Instant::now();
-        if r.pid != 0 {
+        // The program is the connecting process or below it; another process is not taken.
+        if r.pid != 0 && r.pid != t.pid && procs::descends_from(r.pid, t.peer) {
             t.pid = r.pid;
         }
+        r.pid = t.pid;
+        r.bound(t.mapped, self.cfg.tier_capacity_bytes);
         let old = std::mem::replace(&mut t.report, r);
         t.previous = Some((t.reported, old));
         t.reported = now;
@@ -275,7 +356,7 @@ impl Host {
             Some(m) => Some(m),
             None => t.max,
         };
-        self.check_terms(Some(id), t.pinned, min, max)?;
+        let (min, max) = self.check_terms(Some(id), t.pinned, min, max)?;
         let t = self.tenants.get_mut(&id).expect("looked up above");
         t.min = min;
         t.max = max;
@@ -349,8 +430,19 @@ impl Host {
         }
     }
 
-    /// Ends an epoch: splits the budget again, logs changes of colour, keeps a sample.
-    pub fn epoch(&mut self) {
+    /// The process each tenant connected from, to look up in /proc outside the lock.
+    pub fn peers(&self) -> Vec<(u64, u32)> {
+        self.tenants.iter().map(|(&id, t)| (id, t.peer)).collect()
+    }
+
+    /// Ends an epoch: takes what each tenant's processes map now (`mapped`, by tenant), splits
+    /// the budget again, logs changes of colour, keeps a sample.
+    pub fn epoch(&mut self, mapped: &[(u64, Option<u64>)]) {
+        for &(id, m) in mapped {
+            if let (Some(t), Some(m)) = (self.tenants.get_mut(&id), m) {
+                t.mapped = m;
+            }
+        }
         self.rebalance();
         let s = self.status(None);
         self.health_events(&s);
@@ -358,9 +450,30 @@ impl Host {
             .record(self.started.elapsed().as_secs_f64(), &s);
     }
 
-    /// The last hour's samples as JSON (for the dashboard).
+    /// The last hour's samples as JSON, as the HTTP side may show them (for the dashboard).
     pub fn history_json(&self) -> String {
-        serde_json::to_string(&self.history.points().collect::<Vec<_>>()).unwrap_or_default()
+        let points = self.history.points();
+        match self.cfg.http_view {
+            HttpView::Tenants => serde_json::to_string(&points.collect::<Vec<_>>()),
+            HttpView::Host => serde_json::to_string(
+                &points
+                    .map(|p| crate::history::Point {
+                        tenants: Vec::new(),
+                        ..p.clone()
+                    })
+                    .collect::<Vec<_>>(),
+            ),
+        }
+        .unwrap_or_default()
+    }
+
+    /// The status as the HTTP side may show it ([`HttpView`]).
+    pub fn http_status(&self) -> HostStatus {
+        let mut s = self.status(None);
+        if self.cfg.http_view == HttpView::Host {
+            s.tenants.clear();
+        }
+        s
     }
 
     /// The host and the tenants `only` allows (all when `None`).
@@ -374,10 +487,10 @@ impl Host {
             ..HostStatus::default()
         };
         for (&id, t) in &self.tenants {
-            s.quota_bytes += t.quota;
-            s.dram_bytes += t.report.dram_bytes;
-            s.tier_bytes += t.report.tier_bytes;
-            s.active_bytes += t.report.active_bytes;
+            s.quota_bytes = s.quota_bytes.saturating_add(t.quota);
+            s.dram_bytes = s.dram_bytes.saturating_add(t.report.dram_bytes);
+            s.tier_bytes = s.tier_bytes.saturating_add(t.report.tier_bytes);
+            s.active_bytes = s.active_bytes.saturating_add(t.report.active_bytes);
             let (p50, p99) = (
                 t.recent_us(0.5).unwrap_or(0.0),
                 t.recent_us(0.99).unwrap_or(0.0),
@@ -410,7 +523,11 @@ impl Host {
                 tier_share_bytes: t.tier,
                 active_pct: t.active_pct(),
                 health: t.colour(th).as_str().into(),
-                faults_per_second: rate(|r| r.faults_zero + r.faults_tier + r.faults_inactive),
+                faults_per_second: rate(|r| {
+                    r.faults_zero
+                        .saturating_add(r.faults_tier)
+                        .saturating_add(r.faults_inactive)
+                }),
                 tier_faults_per_second: rate(|r| r.faults_tier),
                 promotions_per_second: rate(|r| r.promotions),
                 recent_read_p50_us: p50,
@@ -437,19 +554,30 @@ fn colour(s: &str) -> Health {
     }
 }
 
-/// The daemon's shared state.
+/// The daemon's shared state: the host, and the gate its connections pass.
 #[derive(Clone)]
-pub struct Shared(Arc<Mutex<Host>>);
+pub struct Shared {
+    host: Arc<Mutex<Host>>,
+    gate: Arc<Mutex<Gate>>,
+}
 
 impl Shared {
     pub fn new(host: Host) -> Shared {
-        Shared(Arc::new(Mutex::new(host)))
+        let limits = host.cfg.limits;
+        Shared {
+            host: Arc::new(Mutex::new(host)),
+            gate: Arc::new(Mutex::new(Gate::new(limits))),
+        }
     }
 
     /// The state. A panic in one connection's thread cannot leave it half-changed in a way
     /// that matters (every change is one field at a time), so a poisoned lock is taken as is.
     pub fn lock(&self) -> MutexGuard<'_, Host> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
+        self.host.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn gate(&self) -> MutexGuard<'_, Gate> {
+        self.gate.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -480,6 +608,37 @@ pub fn bind(cfg: &HostConfig) -> Result<UnixListener> {
     Ok(l)
 }
 
+/// Logs at most once per `every`, with how many were not logged in between.
+struct Quiet {
+    every: Duration,
+    last: Option<Instant>,
+    skipped: u64,
+}
+
+impl Quiet {
+    fn new(every: Duration) -> Quiet {
+        Quiet {
+            every,
+            last: None,
+            skipped: 0,
+        }
+    }
+
+    fn log(&mut self, msg: impl AsRef<str>) {
+        if self.last.is_some_and(|l| l.elapsed() < self.every) {
+            self.skipped += 1;
+            return;
+        }
+        let more = std::mem::take(&mut self.skipped);
+        log(if more > 0 {
+            format!("{} ({more} more like it not logged)", msg.as_ref())
+        } else {
+            msg.as_ref().to_string()
+        });
+        self.last = Some(Instant::now());
+    }
+}
+
 /// Accepts tenants and clients until the process ends; a thread splits the budget every epoch.
 pub fn serve(listener: UnixListener, host: Shared) -> Result<()> {
     let epoch = host.lock().cfg.epoch;
@@ -489,64 +648,141 @@ pub fn serve(listener: UnixListener, host: Shared) -> Result<()> {
             .name("memtide-epoch".into())
             .spawn(move || loop {
                 std::thread::sleep(epoch);
-                host.lock().epoch();
+                // /proc is read outside the lock: tenants' reports do not wait for it.
+                let peers = host.lock().peers();
+                let mapped: Vec<(u64, Option<u64>)> = peers
+                    .into_iter()
+                    .map(|(id, peer)| (id, procs::mapped_by(peer)))
+                    .collect();
+                host.lock().epoch(&mapped);
             })?;
     }
+    let mut refused = Quiet::new(Duration::from_secs(10));
+    let mut failed = Quiet::new(Duration::from_secs(10));
     for conn in listener.incoming() {
-        let Ok(conn) = conn else { continue };
-        let host = host.clone();
-        let _ = std::thread::Builder::new()
+        let conn = match conn {
+            Ok(c) => c,
+            Err(e) => {
+                // Out of file descriptors or memory: wait for connections to close rather
+                // than try again at once, round and round.
+                failed.log(format!("cannot accept a connection: {e}"));
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        let Ok((pid, uid, _)) = memtide_engine::sys::peer_credentials(&conn) else {
+            continue;
+        };
+        let admin = uid == 0 || uid == memtide_engine::sys::effective_uid();
+        if let Err(why) = host.gate().admit(uid, admin, Instant::now()) {
+            refused.log(format!("refused a connection of uid {uid}: {why}"));
+            // One line, never waited on: the socket's buffer is empty.
+            let _ = conn.set_nonblocking(true);
+            let _ = (&conn).write_all(
+                protocol::encode(&Response::Error {
+                    message: format!("{why}; try again later"),
+                })
+                .as_bytes(),
+            );
+            continue;
+        }
+        let who = Peer { pid, uid, admin };
+        let h = host.clone();
+        let spawned = std::thread::Builder::new()
             .name("memtide-conn".into())
-            .spawn(move || connection(conn, host));
+            .spawn(move || {
+                connection(&conn, &h, who);
+                h.gate().release(uid, admin, Instant::now());
+            });
+        if spawned.is_err() {
+            host.gate().release(uid, admin, Instant::now());
+        }
     }
     Ok(())
 }
 
-/// Serves one connection until it closes; its tenant, if any, leaves with it.
-fn connection(conn: UnixStream, host: Shared) {
-    let Ok((_, uid, _)) = memtide_engine::sys::peer_credentials(&conn) else {
+/// Who is at the other end of a connection.
+#[derive(Clone, Copy)]
+struct Peer {
+    pid: u32,
+    uid: u32,
+    admin: bool,
+}
+
+/// Serves one connection until it closes, says nothing for [`HostConfig::silence`], or its
+/// tenant sends no report for as long; its tenant, if any, leaves with it.
+fn connection(conn: &UnixStream, host: &Shared, who: Peer) {
+    let silence = host.lock().cfg.silence;
+    // A client that stops reading cannot hold this thread for long either.
+    if conn.set_read_timeout(Some(silence)).is_err()
+        || conn
+            .set_write_timeout(Some(Duration::from_secs(10)))
+            .is_err()
+    {
         return;
-    };
-    let admin = uid == 0 || uid == memtide_engine::sys::effective_uid();
-    let Ok(mut writer) = conn.try_clone() else {
-        return;
-    };
+    }
     let mut reader = BufReader::new(conn);
+    let mut writer = conn;
     let mut mine: Option<u64> = None;
-    loop {
-        let resp = match protocol::read_line(&mut reader) {
-            Err(_) | Ok(None) => break,
-            Ok(Some(Err(e))) => Response::Error {
+    let mut reported = Instant::now();
+    let why = loop {
+        let line = match protocol::read_line(&mut reader, protocol::MAX_REQUEST) {
+            Ok(Some(line)) => line,
+            Ok(None) => break "left",
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                break "went silent"
+            }
+            Err(_) => break "left",
+        };
+        let req = line.and_then(|l| protocol::decode(&l));
+        let cost = match &req {
+            Ok(Request::Register(_) | Request::Set(_)) => gate::CHANGE_COST,
+            _ => 1.0,
+        };
+        let wait = host.gate().take(who.uid, who.admin, cost, Instant::now());
+        if !wait.is_zero() {
+            std::thread::sleep(wait);
+        }
+        if matches!(req, Ok(Request::Report(_))) {
+            reported = Instant::now();
+        } else if mine.is_some() && reported.elapsed() > silence {
+            break "stopped reporting";
+        }
+        let resp = match req {
+            Err(e) => Response::Error {
                 message: e.to_string(),
             },
-            Ok(Some(Ok(line))) => match protocol::decode(&line) {
-                Err(e) => Response::Error {
-                    message: e.to_string(),
-                },
-                Ok(req) => answer(&host, req, admin, uid, &mut mine),
-            },
+            Ok(req) => answer(host, req, who, &mut mine),
         };
+        if mine.is_some() && matches!(resp, Response::Registered { .. }) {
+            reported = Instant::now();
+        }
         if writer
             .write_all(protocol::encode(&resp).as_bytes())
             .is_err()
         {
-            break;
+            break "stopped reading";
         }
-    }
+    };
     if let Some(id) = mine {
-        host.lock().leave(id);
+        host.lock().leave(id, why);
     }
 }
 
-fn answer(host: &Shared, req: Request, admin: bool, uid: u32, mine: &mut Option<u64>) -> Response {
+fn answer(host: &Shared, req: Request, who: Peer, mine: &mut Option<u64>) -> Response {
     let err = |m: String| Response::Error { message: m };
+    // What the tenant's processes map, read before the lock is taken.
+    let mapped = match &req {
+        Request::Register(_) if mine.is_none() => procs::mapped_by(who.pid),
+        _ => None,
+    };
     let mut h = host.lock();
     match req {
         Request::Register(r) => {
             if mine.is_some() {
                 return err("this connection already registered a tenant".into());
             }
-            match h.register(r, uid) {
+            match h.register(r, who.uid, who.pid, mapped) {
                 Ok(id) => {
                     *mine = Some(id);
                     Response::Registered {
@@ -563,6 +799,9 @@ fn answer(host: &Shared, req: Request, admin: bool, uid: u32, mine: &mut Option<
         }
         Request::Report(r) => match *mine {
             Some(id) => {
+                if let Err(m) = r.check() {
+                    return err(format!("report refused: {m}"));
+                }
                 let (quota_bytes, tier_bytes) = h.report(id, r);
                 Response::Quota {
                     quota_bytes,
@@ -572,7 +811,7 @@ fn answer(host: &Shared, req: Request, admin: bool, uid: u32, mine: &mut Option<
             None => err("register first".into()),
         },
         Request::Status => {
-            if admin {
+            if who.admin {
                 Response::Status(h.status(None))
             } else {
                 // Someone else's tenant sees only itself (no tenant: the host totals alone).
@@ -581,7 +820,7 @@ fn answer(host: &Shared, req: Request, admin: bool, uid: u32, mine: &mut Option<
         }
         Request::Set(c) => {
             let target = match (c.tenant, *mine) {
-                (Some(t), _) if admin => t,
+                (Some(t), _) if who.admin => t,
                 (Some(t), Some(m)) if t == m => t,
                 (None, Some(m)) => m,
                 (Some(t), _) => return err(format!("not allowed to change tenant {t}")),
@@ -590,6 +829,248 @@ fn answer(host: &Shared, req: Request, admin: bool, uid: u32, mine: &mut Option<
             match h.change(target, &c) {
                 Ok(()) => Response::Done,
                 Err(m) => err(m),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn host(budget: u64) -> Host {
+        Host::new(HostConfig {
+            budget_bytes: budget,
+            tier_dir: "/var/tmp".into(),
+            tier_capacity_bytes: budget,
+            socket: "/nonexistent".into(),
+            group: None,
+            epoch: Duration::from_secs(1),
+            rules: ShareRules::default(),
+            encrypt_tier: false,
+            limits: gate::Limits::default(),
+            silence: SILENCE,
+            http_view: HttpView::Tenants,
+        })
+    }
+
+    fn join(h: &mut Host, name: &str, min: u64, pinned: bool) -> Result<u64, String> {
+        let me = std::process::id();
+        h.register(
+            Registration {
+                name: name.into(),
+                pid: me,
+                min_bytes: min,
+                max_bytes: None,
+                pinned,
+            },
+            1000,
+            me,
+            None,
+        )
+    }
+
+    /// The promises: quotas within the budget, every tiered tenant at or above its minimum.
+    fn promises_hold(h: &Host) -> Result<(), String> {
+        let s = h.status(None);
+        let sum: u128 = s.tenants.iter().map(|t| t.quota_bytes as u128).sum();
+        if sum > h.cfg.budget_bytes as u128 {
+            return Err(format!(
+                "quotas {sum} over the budget {}",
+                h.cfg.budget_bytes
+            ));
+        }
+        for t in &s.tenants {
+            if t.quota_bytes < t.min_bytes {
+                return Err(format!("tenant {} below its minimum", t.name));
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_minimum_that_wraps_the_sum_is_refused() {
+        let mut h = host(1 << 30);
+        let a = join(&mut h, "a", 256 * MIB, false).unwrap();
+        let taken = 256 * MIB;
+        let wraps = u64::MAX - taken + 1 + 64 * 1024;
+        let e = join(&mut h, "hostile", wraps, false).unwrap_err();
+        assert!(e.contains("cannot guarantee"), "{e}");
+        let b = join(&mut h, "b", 64 * MIB, false).unwrap();
+        let e = h
+            .change(
+                b,
+                &Change {
+                    min_bytes: Some(wraps),
+                    ..Change::default()
+                },
+            )
+            .unwrap_err();
+        assert!(e.contains("cannot guarantee"), "{e}");
+        promises_hold(&h).unwrap();
+        assert!(h.tenants[&a].quota >= 256 * MIB);
+    }
+
+    #[test]
+    fn a_pinned_tenant_reserves_at_least_the_smallest_quota() {
+        let mut h = host(1 << 30);
+        let e = join(&mut h, "free ride", 0, true).unwrap_err();
+        assert!(e.contains("pinned tenant's minimum"), "{e}");
+        assert!(join(&mut h, "pinned", 64 * MIB, true).is_ok());
+    }
+
+    #[test]
+    fn absurd_reports_are_refused_or_bounded_by_what_is_mapped() {
+        let mut h = host(1 << 30);
+        let honest = join(&mut h, "honest", 128 * MIB, false).unwrap();
+        let liar = join(&mut h, "liar", 128 * MIB, false).unwrap();
+        h.tenants.get_mut(&liar).unwrap().mapped = 256 * MIB;
+        let busy = TenantReport {
+            managed_bytes: 512 * MIB,
+            dram_bytes: 128 * MIB,
+            active_bytes: 400 * MIB,
+            ..TenantReport::default()
+        };
+        h.report(honest, busy.clone());
+        h.report(honest, busy);
+        let lie = TenantReport {
+            managed_bytes: u64::MAX,
+            dram_bytes: u64::MAX,
+            tier_bytes: u64::MAX,
+            tier_limit_bytes: u64::MAX,
+            active_bytes: u64::MAX,
+            pid: 1,
+            ..TenantReport::default()
+        };
+        h.report(liar, lie.clone());
+        h.report(liar, lie);
+        h.epoch(&[]);
+        let t = &h.tenants[&liar];
+        assert_eq!(t.report.managed_bytes, 256 * MIB);
+        assert_eq!(t.report.active_bytes, 256 * MIB);
+        assert_eq!(t.report.tier_limit_bytes, h.cfg.tier_capacity_bytes);
+        // pid 1 does not descend from this process: the pid stays the connecting one's.
+        assert_eq!(t.pid, std::process::id());
+        promises_hold(&h).unwrap();
+        // The honest tenant, active over 400 MiB, gets at least as much as the liar.
+        assert!(
+            h.tenants[&honest].quota >= h.tenants[&liar].quota,
+            "honest {} liar {}",
+            h.tenants[&honest].quota,
+            h.tenants[&liar].quota
+        );
+        let mut r = TenantReport {
+            tier_reads: 10,
+            tier_read_latency_buckets: vec![(1.0, 1); MAX_BUCKETS_PLUS_ONE],
+            ..TenantReport::default()
+        };
+        assert!(r.check().unwrap_err().contains("latency buckets"));
+        r.tier_read_latency_buckets = vec![(100.0, 5), (50.0, 6)];
+        assert!(r.check().is_err());
+        r.tier_read_latency_buckets = vec![(100.0, 5), (200.0, 11)];
+        assert!(r.check().is_err());
+        r.tier_read_latency_buckets = vec![(100.0, 5), (200.0, 10)];
+        r.tier_read_latency_p99_us = f64::NAN;
+        assert!(r.check().is_err());
+        r.tier_read_latency_p99_us = 150.0;
+        assert!(r.check().is_ok());
+    }
+
+    const MAX_BUCKETS_PLUS_ONE: usize = protocol::MAX_LATENCY_BUCKETS + 1;
+
+    #[test]
+    fn names_keep_no_control_characters() {
+        let mut h = host(1 << 30);
+        let id = join(
+            &mut h,
+            "evil\x1b[2J\x1b]0;owned\x07\nmemtide host: forged",
+            64 * MIB,
+            false,
+        )
+        .unwrap();
+        let name = &h.tenants[&id].name;
+        assert!(!name.chars().any(char::is_control), "{name:?}");
+        assert!(name.starts_with("evil\\u{1b}[2J"), "{name:?}");
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Join(u64, bool),
+        Set(usize, Option<u64>, Option<u64>),
+        Report(usize, u64, u64, u64),
+        Leave(usize),
+    }
+
+    /// Numbers a hostile tenant would pick: near 0, near the budget, near the top of u64.
+    fn number() -> impl Strategy<Value = u64> {
+        prop_oneof![
+            0..(4u64 << 30),
+            (0..(1u64 << 20)).prop_map(|d| u64::MAX - d),
+            (0..(1u64 << 30)).prop_map(|d| (1u64 << 63).wrapping_sub(d)),
+            any::<u64>(),
+        ]
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (number(), any::<bool>()).prop_map(|(m, p)| Op::Join(m, p)),
+            (
+                0..8usize,
+                proptest::option::of(number()),
+                proptest::option::of(number())
+            )
+                .prop_map(|(i, a, b)| Op::Set(i, a, b)),
+            (0..8usize, number(), number(), number())
+                .prop_map(|(i, a, b, c)| Op::Report(i, a, b, c)),
+            (0..8usize).prop_map(Op::Leave),
+        ]
+    }
+
+    proptest! {
+        /// Whatever numbers tenants send (terms, reports), the quotas stay within the budget
+        /// and no tiered tenant drops below its minimum.
+        #[test]
+        fn no_numbers_break_the_promises(ops in prop::collection::vec(op(), 1..40)) {
+            let mut h = host(1 << 30);
+            let mut ids = Vec::new();
+            for o in ops {
+                match o {
+                    Op::Join(min, pinned) => {
+                        if let Ok(id) = join(&mut h, "t", min, pinned) {
+                            ids.push(id);
+                        }
+                    }
+                    Op::Set(i, min, max) => {
+                        if let Some(&id) = ids.get(i) {
+                            let _ = h.change(id, &Change { tenant: None, min_bytes: min, max_bytes: max });
+                        }
+                    }
+                    Op::Report(i, managed, active, tier) => {
+                        if let Some(&id) = ids.get(i) {
+                            let r = TenantReport {
+                                managed_bytes: managed,
+                                active_bytes: active,
+                                dram_bytes: active,
+                                tier_bytes: tier,
+                                tier_limit_bytes: tier,
+                                ..TenantReport::default()
+                            };
+                            if r.check().is_ok() {
+                                h.report(id, r);
+                            }
+                        }
+                    }
+                    Op::Leave(i) => {
+                        if i < ids.len() {
+                            h.leave(ids.remove(i), "left");
+                        }
+                    }
+                }
+                h.epoch(&[]);
+                prop_assert!(promises_hold(&h).is_ok(), "{:?}", promises_hold(&h));
             }
         }
     }

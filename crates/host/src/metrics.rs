@@ -6,7 +6,11 @@
 //! [`serve_http`].
 
 use std::borrow::Cow;
-use std::net::SocketAddr;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use prometheus_client::collector::Collector;
@@ -201,6 +205,12 @@ impl Collector for Status {
         )?;
         gauge(
             &mut enc,
+            "memtide_tenant_tier_file_bytes",
+            "How long the tenant's tier files are (above its limit until what lay above a lowered limit has moved below it).",
+            &per(&|t| t.report.tier_file_bytes as i64),
+        )?;
+        gauge(
+            &mut enc,
             "memtide_tenant_active_bytes",
             "The tenant's estimated active memory (pages touched within a second, sampled).",
             &per(&|t| t.report.active_bytes as i64),
@@ -301,50 +311,187 @@ pub const DASHBOARD: &str = include_str!("dashboard.html");
 /// What the HTTP server serves: the status (for `/metrics` and `/api/status`) and, from a
 /// daemon, the last hour (`/api/history`, drawn by the dashboard at `/`).
 pub struct Routes {
-    pub status: Box<dyn Fn() -> HostStatus + Send>,
-    pub history: Option<Box<dyn Fn() -> String + Send>>,
+    pub status: Box<dyn Fn() -> HostStatus + Send + Sync>,
+    pub history: Option<Box<dyn Fn() -> String + Send + Sync>>,
 }
 
+/// Requests served at once; a connection beyond them is closed unanswered.
+const MAX_CLIENTS: usize = 32;
+
+/// The most a request's line and headers may take.
+const MAX_HEAD: usize = 8 << 10;
+
+/// The most time a client has to send its request, and then to take the answer: a client that
+/// stops reading (or writes a byte a second) loses its connection instead of holding a thread.
+const CLIENT_TIME: Duration = Duration::from_secs(5);
+
 /// Serves `routes` on `addr`, on a thread of its own. Returns the address bound (port 0 picks
-/// one).
+/// one). Every request is answered once and the connection closed (`Connection: close`);
+/// requests whose `Host` is not an IP address or `localhost` are refused, so a web page
+/// cannot read the daemon through a name it rebinds to this machine.
 pub fn serve_http(addr: SocketAddr, routes: Routes) -> Result<SocketAddr> {
-    let server = tiny_http::Server::http(addr)
-        .map_err(|e| anyhow::anyhow!("{e}"))
-        .with_context(|| format!("cannot serve metrics on {addr}"))?;
-    let bound = server
-        .server_addr()
-        .to_ip()
-        .context("the metrics server has no IP address")?;
+    let listener =
+        TcpListener::bind(addr).with_context(|| format!("cannot serve metrics on {addr}"))?;
+    let bound = listener
+        .local_addr()
+        .context("the metrics server has no address")?;
+    let routes = Arc::new(routes);
+    let busy = Arc::new(AtomicUsize::new(0));
     std::thread::Builder::new()
         .name("memtide-http".into())
         .spawn(move || {
-            for req in server.incoming_requests() {
-                let path = req.url().split('?').next().unwrap_or("").to_string();
-                let (body, ctype, code) = match (path.as_str(), &routes.history) {
-                    ("/metrics", _) => (
-                        encode(&(routes.status)()),
-                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                        200,
-                    ),
-                    ("/api/status", _) => (
-                        serde_json::to_string(&(routes.status)()).unwrap_or_default(),
-                        "application/json",
-                        200,
-                    ),
-                    ("/api/history", Some(h)) => (h(), "application/json", 200),
-                    ("/", Some(_)) => (DASHBOARD.to_string(), "text/html; charset=utf-8", 200),
-                    _ => ("not found\n".to_string(), "text/plain", 404),
+            for conn in listener.incoming() {
+                let Ok(conn) = conn else {
+                    // Out of descriptors: wait for connections to close.
+                    std::thread::sleep(Duration::from_millis(100));
+                    continue;
                 };
-                let header = tiny_http::Header::from_bytes(&b"Content-Type"[..], ctype.as_bytes())
-                    .expect("static header");
-                let _ = req.respond(
-                    tiny_http::Response::from_string(body)
-                        .with_status_code(code)
-                        .with_header(header),
-                );
+                if busy.fetch_add(1, Ordering::AcqRel) >= MAX_CLIENTS {
+                    busy.fetch_sub(1, Ordering::AcqRel);
+                    continue;
+                }
+                let (routes, b) = (routes.clone(), busy.clone());
+                let spawned = std::thread::Builder::new()
+                    .name("memtide-http-client".into())
+                    .spawn(move || {
+                        answer(conn, &routes);
+                        b.fetch_sub(1, Ordering::AcqRel);
+                    });
+                if spawned.is_err() {
+                    busy.fetch_sub(1, Ordering::AcqRel);
+                }
             }
         })?;
     Ok(bound)
+}
+
+/// A request as far as the server needs it.
+struct Head {
+    method: String,
+    path: String,
+    host: Option<String>,
+}
+
+/// Reads a request's line and headers within [`CLIENT_TIME`] and [`MAX_HEAD`].
+fn read_head(conn: &mut TcpStream) -> Option<Head> {
+    let deadline = Instant::now() + CLIENT_TIME;
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 1024];
+    while !buf.windows(4).any(|w| w == b"\r\n\r\n") && !buf.windows(2).any(|w| w == b"\n\n") {
+        let left = deadline.checked_duration_since(Instant::now())?;
+        conn.set_read_timeout(Some(left.max(Duration::from_millis(1))))
+            .ok()?;
+        let n = conn.read(&mut chunk).ok()?;
+        if n == 0 || buf.len() + n > MAX_HEAD {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    let text = String::from_utf8_lossy(&buf);
+    let mut lines = text.lines();
+    let mut first = lines.next()?.split_whitespace();
+    let (method, target) = (first.next()?.to_string(), first.next()?);
+    let host = lines
+        .take_while(|l| !l.is_empty())
+        .filter_map(|l| l.split_once(':'))
+        .find(|(k, _)| k.trim().eq_ignore_ascii_case("host"))
+        .map(|(_, v)| v.trim().to_string());
+    Some(Head {
+        method,
+        path: target.split('?').next().unwrap_or("").to_string(),
+        host,
+    })
+}
+
+/// Whether a `Host` header names this machine without a name anyone can point elsewhere: an
+/// IP address or `localhost`, with or without a port. A request without one (HTTP/1.0) is let
+/// through: browsers always send it.
+pub fn host_allowed(host: Option<&str>) -> bool {
+    let Some(h) = host else {
+        return true;
+    };
+    let name = if let Some(rest) = h.strip_prefix('[') {
+        match rest.split_once(']') {
+            Some((v6, port))
+                if port.is_empty()
+                    || port
+                        .strip_prefix(':')
+                        .is_some_and(|p| p.parse::<u16>().is_ok()) =>
+            {
+                return v6.parse::<std::net::Ipv6Addr>().is_ok();
+            }
+            _ => return false,
+        }
+    } else {
+        match h.rsplit_once(':') {
+            Some((name, port)) if port.parse::<u16>().is_ok() => name,
+            Some(_) => return false,
+            None => h,
+        }
+    };
+    name.eq_ignore_ascii_case("localhost") || name.parse::<std::net::Ipv4Addr>().is_ok()
+}
+
+fn answer(mut conn: TcpStream, routes: &Routes) {
+    let Some(head) = read_head(&mut conn) else {
+        return;
+    };
+    let (body, ctype, code) = if head.method != "GET" && head.method != "HEAD" {
+        ("only GET and HEAD\n".to_string(), "text/plain", 405)
+    } else if !host_allowed(head.host.as_deref()) {
+        (
+            "ask by IP address or localhost\n".to_string(),
+            "text/plain",
+            403,
+        )
+    } else {
+        match (head.path.as_str(), &routes.history) {
+            ("/metrics", _) => (
+                encode(&(routes.status)()),
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                200,
+            ),
+            ("/api/status", _) => (
+                serde_json::to_string(&(routes.status)()).unwrap_or_default(),
+                "application/json",
+                200,
+            ),
+            ("/api/history", Some(h)) => (h(), "application/json", 200),
+            ("/", Some(_)) => (DASHBOARD.to_string(), "text/html; charset=utf-8", 200),
+            _ => ("not found\n".to_string(), "text/plain", 404),
+        }
+    };
+    let reason = match code {
+        200 => "OK",
+        403 => "Forbidden",
+        404 => "Not Found",
+        _ => "Method Not Allowed",
+    };
+    let mut out = format!(
+        "HTTP/1.1 {code} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    if head.method != "HEAD" {
+        out.extend_from_slice(body.as_bytes());
+    }
+    let deadline = Instant::now() + CLIENT_TIME;
+    let mut sent = 0;
+    while sent < out.len() {
+        let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+            return;
+        };
+        if conn
+            .set_write_timeout(Some(left.max(Duration::from_millis(1))))
+            .is_err()
+        {
+            return;
+        }
+        match conn.write(&out[sent..(sent + (64 << 10)).min(out.len())]) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => sent += n,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -386,5 +533,93 @@ mod tests {
             assert!(text.contains(want), "missing {want:?} in:\n{text}");
         }
         assert!(text.ends_with("# EOF\n"));
+    }
+
+    /// Sends one request on a new connection; returns the whole answer.
+    fn get(addr: SocketAddr, path: &str, host: &str) -> String {
+        let mut c = TcpStream::connect(addr).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        write!(c, "GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n").unwrap();
+        let mut out = String::new();
+        c.read_to_string(&mut out).unwrap();
+        out
+    }
+
+    #[test]
+    fn a_client_that_stops_reading_holds_no_one_else() {
+        // A status whose metrics take several MiB: more than the sockets between hold.
+        let big = HostStatus {
+            tenants: (0..5000)
+                .map(|i| TenantStatus {
+                    tenant: i,
+                    name: format!("tenant-{i}"),
+                    ..TenantStatus::default()
+                })
+                .collect(),
+            ..HostStatus::default()
+        };
+        let whole = encode(&big).len();
+        let addr = serve_http(
+            "127.0.0.1:0".parse().unwrap(),
+            Routes {
+                status: Box::new(move || big.clone()),
+                history: None,
+            },
+        )
+        .unwrap();
+        let mut slow = TcpStream::connect(addr).unwrap();
+        write!(slow, "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").unwrap();
+        // A client that asks nothing at all either.
+        let _mute = TcpStream::connect(addr).unwrap();
+        std::thread::sleep(Duration::from_millis(500));
+        let t0 = Instant::now();
+        let other = get(addr, "/nothing-here", "127.0.0.1");
+        assert!(other.starts_with("HTTP/1.1 404"), "{other}");
+        let full = get(addr, "/metrics", &addr.to_string());
+        assert!(full.starts_with("HTTP/1.1 200"));
+        assert!(full.ends_with("# EOF\n"), "a reading client gets it all");
+        assert!(t0.elapsed() < CLIENT_TIME, "served in {:?}", t0.elapsed());
+        let refused = get(addr, "/metrics", "rebound.example:9464");
+        assert!(refused.starts_with("HTTP/1.1 403"), "{refused}");
+        // The one that stopped reading is cut off after its time.
+        std::thread::sleep(CLIENT_TIME + Duration::from_secs(1));
+        slow.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let mut got = Vec::new();
+        let _ = slow.read_to_end(&mut got);
+        assert!(
+            got.len() < whole,
+            "the slow client got all {} bytes",
+            got.len()
+        );
+    }
+
+    #[test]
+    fn only_ip_addresses_and_localhost_are_hosts() {
+        for ok in [
+            None,
+            Some("127.0.0.1:9464"),
+            Some("127.0.0.1"),
+            Some("localhost:9464"),
+            Some("LOCALHOST"),
+            Some("[::1]:9464"),
+            Some("[::1]"),
+            Some("10.1.2.3:80"),
+        ] {
+            assert!(host_allowed(ok), "{ok:?} refused");
+        }
+        for bad in [
+            Some("attacker.example:9464"),
+            Some("attacker.example"),
+            Some("localhost.attacker.example"),
+            Some("127.0.0.1.nip.io:9464"),
+            Some("[::1]x"),
+            Some("[::1]x9464"),
+            Some("[::1]:"),
+            Some("127.0.0.1:port"),
+            Some(""),
+        ] {
+            assert!(!host_allowed(bad), "{bad:?} allowed");
+        }
     }
 }

@@ -1,15 +1,26 @@
 //! What tenants and admin clients say to the host daemon: one JSON object per line over its
-//! Unix socket, each answered by one line. A line longer than [`MAX_LINE`] or one that does not
-//! decode gets an error reply and never ends the daemon. Entry points: [`Request`],
-//! [`Response`], [`read_line`], [`decode`].
+//! Unix socket, each answered by one line. A request longer than [`MAX_REQUEST`], one that does
+//! not decode, or a report whose numbers cannot be true ([`TenantReport::check`]) gets an error
+//! reply and never ends the daemon. Entry points: [`Request`], [`Response`], [`read_line`],
+//! [`decode`].
 
 use std::io::{self, BufRead};
 
 use memtide_engine::Snapshot;
 use serde::{Deserialize, Serialize};
 
-/// Longest line either side sends (a status of a few hundred tenants fits easily).
-pub const MAX_LINE: usize = 1 << 20;
+/// Longest request the daemon reads: a report with every latency bucket takes about 2 KiB.
+pub const MAX_REQUEST: usize = 64 << 10;
+
+/// Longest answer a client reads: the status of the most tenants a daemon admits, each with
+/// the longest name and every latency bucket, fits several times over.
+pub const MAX_ANSWER: usize = 64 << 20;
+
+/// Most tier-read latency buckets a report may carry (the engine sends 11).
+pub const MAX_LATENCY_BUCKETS: usize = 64;
+
+/// Longest tenant name, in bytes.
+pub const MAX_NAME: usize = 200;
 
 /// A client's request.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -66,6 +77,10 @@ pub struct TenantReport {
     /// The most its tier may hold now.
     #[serde(default)]
     pub tier_limit_bytes: u64,
+    /// How long its tier files are (after a lowered limit, longer than the limit until what
+    /// lay above it has moved below).
+    #[serde(default)]
+    pub tier_file_bytes: u64,
     pub managed_bytes: u64,
     pub active_bytes: u64,
     pub faults_zero: u64,
@@ -92,6 +107,7 @@ impl TenantReport {
             r.dram_bytes += s.dram_bytes;
             r.tier_bytes += s.tier_bytes;
             r.tier_limit_bytes += s.tier_limit_bytes;
+            r.tier_file_bytes += s.tier_file_bytes;
             r.managed_bytes += s.managed_bytes;
             r.active_bytes += s.active_bytes;
             r.faults_zero += s.faults_zero;
@@ -122,6 +138,69 @@ impl TenantReport {
         }
         r
     }
+}
+
+impl TenantReport {
+    /// Whether the numbers can come from a real engine: every float finite and not negative,
+    /// at most [`MAX_LATENCY_BUCKETS`] latency buckets with rising bounds and cumulative
+    /// counts that never fall and never pass the reads. A report that fails is refused whole
+    /// (the daemon keeps the one before).
+    pub fn check(&self) -> Result<(), String> {
+        for (what, v) in [
+            ("tier_read_latency_sum_us", self.tier_read_latency_sum_us),
+            ("tier_read_latency_p50_us", self.tier_read_latency_p50_us),
+            ("tier_read_latency_p99_us", self.tier_read_latency_p99_us),
+        ] {
+            if !v.is_finite() || v < 0.0 {
+                return Err(format!("{what} must be a number of at least 0, not {v}"));
+            }
+        }
+        let b = &self.tier_read_latency_buckets;
+        if b.len() > MAX_LATENCY_BUCKETS {
+            return Err(format!(
+                "{} latency buckets: at most {MAX_LATENCY_BUCKETS}",
+                b.len()
+            ));
+        }
+        let mut below = (0.0, 0u64);
+        for &(le, n) in b {
+            if !le.is_finite() || le <= below.0 || n < below.1 || n > self.tier_reads {
+                return Err(
+                    "latency buckets must have rising bounds and cumulative counts within the reads"
+                        .into(),
+                );
+            }
+            below = (le, n);
+        }
+        Ok(())
+    }
+
+    /// Bounds the figures that measure memory by what the tenant manages, and that by
+    /// `managed_max` (what its processes map, as /proc shows it): nothing is active, in DRAM or
+    /// in the tier beyond what is managed, and no tier limit or file beyond `tier_max`.
+    pub fn bound(&mut self, managed_max: u64, tier_max: u64) {
+        self.managed_bytes = self.managed_bytes.min(managed_max);
+        let m = self.managed_bytes;
+        self.dram_bytes = self.dram_bytes.min(m);
+        self.active_bytes = self.active_bytes.min(m);
+        self.tier_bytes = self.tier_bytes.min(m);
+        self.tier_limit_bytes = self.tier_limit_bytes.min(tier_max);
+        self.tier_file_bytes = self.tier_file_bytes.min(tier_max);
+    }
+}
+
+/// `name` with every control character written out (`\u{1b}`), so that printing it to a
+/// terminal or a log cannot move the cursor, change colours or forge a line.
+pub fn printable(name: &str) -> String {
+    name.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
 }
 
 /// The latency at quantile `q` (0..1) of the tier reads between two reports (`before` may be
@@ -244,18 +323,21 @@ pub struct TenantStatus {
 /// Why a line was not a request.
 #[derive(Debug, thiserror::Error)]
 pub enum DecodeError {
-    #[error("message longer than {MAX_LINE} bytes")]
-    TooLong,
+    #[error("message longer than {0} bytes")]
+    TooLong(usize),
     #[error("message is not UTF-8")]
     NotUtf8,
     #[error("malformed message: {0}")]
     Malformed(String),
 }
 
-/// Reads one line of at most [`MAX_LINE`] bytes (without its newline). `Ok(None)` at the end
-/// of the stream. A longer line is consumed to its end and reported as [`DecodeError::TooLong`]
-/// (as `Ok(Some(Err(..)))`), so the connection can go on.
-pub fn read_line(r: &mut impl BufRead) -> io::Result<Option<Result<String, DecodeError>>> {
+/// Reads one line of at most `limit` bytes (without its newline). `Ok(None)` at the end of the
+/// stream. A longer line is consumed to its end and reported as [`DecodeError::TooLong`] (as
+/// `Ok(Some(Err(..)))`), so the connection can go on.
+pub fn read_line(
+    r: &mut impl BufRead,
+    limit: usize,
+) -> io::Result<Option<Result<String, DecodeError>>> {
     let mut buf = Vec::new();
     let mut too_long = false;
     loop {
@@ -271,7 +353,7 @@ pub fn read_line(r: &mut impl BufRead) -> io::Result<Option<Result<String, Decod
             None => (chunk, None),
         };
         if !too_long {
-            if buf.len() + part.len() > MAX_LINE {
+            if buf.len() + part.len() > limit {
                 too_long = true;
                 buf = Vec::new();
             } else {
@@ -285,7 +367,7 @@ pub fn read_line(r: &mut impl BufRead) -> io::Result<Option<Result<String, Decod
         }
     }
     if too_long {
-        return Ok(Some(Err(DecodeError::TooLong)));
+        return Ok(Some(Err(DecodeError::TooLong(limit))));
     }
     Ok(Some(
         String::from_utf8(buf).map_err(|_| DecodeError::NotUtf8),
@@ -361,17 +443,17 @@ mod tests {
 
     #[test]
     fn long_lines_are_refused_and_the_stream_goes_on() {
-        let mut input = vec![b'x'; MAX_LINE + 10];
+        let mut input = vec![b'x'; MAX_REQUEST + 10];
         input.push(b'\n');
         input.extend_from_slice(b"\"status\"\n");
         let mut r = io::BufReader::with_capacity(4096, &input[..]);
         assert!(matches!(
-            read_line(&mut r).unwrap(),
-            Some(Err(DecodeError::TooLong))
+            read_line(&mut r, MAX_REQUEST).unwrap(),
+            Some(Err(DecodeError::TooLong(MAX_REQUEST)))
         ));
-        let next = read_line(&mut r).unwrap().unwrap().unwrap();
+        let next = read_line(&mut r, MAX_REQUEST).unwrap().unwrap().unwrap();
         assert_eq!(decode(&next).unwrap(), Request::Status);
-        assert!(read_line(&mut r).unwrap().is_none());
+        assert!(read_line(&mut r, MAX_REQUEST).unwrap().is_none());
     }
 
     proptest! {
@@ -380,7 +462,7 @@ mod tests {
         fn decoder_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..2048)) {
             let mut r = io::BufReader::with_capacity(64, &bytes[..]);
             let mut lines = 0;
-            while let Some(line) = read_line(&mut r).unwrap() {
+            while let Some(line) = read_line(&mut r, MAX_REQUEST).unwrap() {
                 if let Ok(l) = line {
                     let _ = decode(&l);
                 }
