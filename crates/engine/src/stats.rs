@@ -140,6 +140,9 @@ pub struct Counters {
     pub demotions_zero: AtomicU64,
     /// Tier copies of pages also in DRAM dropped to keep tier 1 within its limit.
     pub tier_copies_dropped: AtomicU64,
+    /// Tier copies of pages only in tier 1 moved below a lowered limit, so the file could be
+    /// cut.
+    pub tier_copies_moved: AtomicU64,
     /// Pages unmapped into the inactive list.
     pub deactivations: AtomicU64,
     /// Inactive pages put back in place without a touch (to make room in the inactive list
@@ -247,6 +250,10 @@ pub struct Snapshot {
     /// Tier copies of pages also in DRAM dropped to keep tier 1 within its limit.
     #[serde(default)]
     pub tier_copies_dropped: u64,
+    /// Tier copies of pages only in tier 1 moved below a lowered limit, so the file could be
+    /// cut.
+    #[serde(default)]
+    pub tier_copies_moved: u64,
     pub deactivations: u64,
     #[serde(default)]
     pub reactivations: u64,

@@ -250,3 +250,73 @@ fn active_memory_estimate_follows_the_hot_set() {
     verify(base, pages);
     e.audit().unwrap();
 }
+
+/// The tier file as the filesystem holds it: unlinked once open, so found among this
+/// process's descriptors.
+fn tier_file(dir: &common::Scratch) -> std::fs::Metadata {
+    let d = dir.0.canonicalize().unwrap();
+    for f in std::fs::read_dir("/proc/self/fd").unwrap().flatten() {
+        if std::fs::read_link(f.path()).is_ok_and(|t| t.starts_with(&d)) {
+            return std::fs::metadata(f.path()).unwrap();
+        }
+    }
+    panic!("no tier file open under {}", d.display());
+}
+
+/// A lowered tier limit while a page that lives only in tier 1 sits in a slot far above it:
+/// its copy moves below the limit and the file is cut to the limit (before, the file stayed
+/// as long as that slot, for good, while the host daemon gave the space to others).
+fn lowered_limit_cuts_the_file(name: &str, encrypt: bool) {
+    let dir = common::scratch(name);
+    let mut cfg = common::config(&dir, 8 << 20);
+    cfg.tier_bytes = Some(64 << 20);
+    cfg.tier_max_bytes = Some(128 << 20);
+    cfg.encrypt_tier = encrypt;
+    let e = common::start(&cfg);
+    let pages = (24 << 20) / PAGE;
+    let base = e.alloc(pages * PAGE, PAGE).unwrap();
+    fill(base, pages);
+    wait_for("resident pages never came down to 8 MiB", || {
+        e.resident_pages() <= (8 << 20) / PAGE as u64
+    });
+    // Keep only the evicted page in the highest slot; free every other page.
+    let (top, slot) = (0..pages)
+        .filter_map(|p| {
+            let i = e.page_info(base + p * PAGE)?;
+            (i.state == "Evicted").then_some((p, i.tier_slot?))
+        })
+        .max_by_key(|&(_, s)| s)
+        .expect("evicted pages");
+    assert!(slot >= 1024, "the highest evicted page is in slot {slot}");
+    if top > 0 {
+        e.discard(base, top * PAGE).unwrap();
+    }
+    if top + 1 < pages {
+        e.discard(base + (top + 1) * PAGE, (pages - top - 1) * PAGE)
+            .unwrap();
+    }
+    assert_eq!(e.set_tier_bytes(1 << 20), 1 << 20);
+    wait_for("the tier file was never cut to 1 MiB", || {
+        e.snapshot().tier_file_bytes <= 1 << 20
+    });
+    let f = tier_file(&dir);
+    assert!(f.len() <= 1 << 20, "the file holds {} bytes", f.len());
+    let i = e.page_info(base + top * PAGE).unwrap();
+    assert_eq!(i.state, "Evicted", "moved within the tier, not into DRAM");
+    assert!(i.tier_slot.unwrap() < 256, "{i:?}");
+    assert!(e.snapshot().tier_copies_moved >= 1);
+    // SAFETY: the page lies in managed memory the test allocated.
+    let v = unsafe { ((base + top * PAGE) as *const u64).read_volatile() };
+    assert_eq!(v, stamp(top), "the moved page lost its bytes");
+    e.audit().unwrap();
+}
+
+#[test]
+fn a_lowered_tier_limit_cuts_the_file() {
+    lowered_limit_cuts_the_file("tier-cut", false);
+}
+
+#[test]
+fn a_lowered_tier_limit_cuts_an_encrypted_file() {
+    lowered_limit_cuts_the_file("tier-cut-enc", true);
+}

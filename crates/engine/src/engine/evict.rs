@@ -56,7 +56,7 @@ impl Engine {
             }
             let ecpu0 = sys::thread_cpu_ns();
             if self.tier_reclaim.swap(false, Ordering::AcqRel)
-                || (new_epoch && self.slots().over_limit() > 0)
+                || (new_epoch && self.slots().needs_reclaim())
             {
                 self.reclaim_tier(Watermarks::MAX_BATCH * 4);
             }
@@ -128,8 +128,9 @@ impl Engine {
     /// where it can): drops the tier copies of pages that are in DRAM as well (a promoted page
     /// keeps its copy so that its next eviction needs no write; it is written again then) —
     /// every copy in a slot above the limit, and others until few enough slots are in use —
-    /// then cuts the store's free tail above the limit. Pages that live only in tier 1 are
-    /// never touched. Returns the slots freed.
+    /// moves the copies of pages that live only in tier 1 from above the limit to free slots
+    /// below it (at most `room` a call), then cuts the store's free tail above the limit.
+    /// Returns the slots freed.
     fn reclaim_tier(&self, room: u64) -> u64 {
         let (limit, len, mut in_use, target) = {
             let s = self.slots();
@@ -146,16 +147,21 @@ impl Engine {
             )
         };
         let mut freed: Vec<u64> = Vec::new();
+        let mut movers: Vec<usize> = Vec::new();
         let hw = self.high_water.load(Ordering::Acquire);
         for i in 0..hw {
             if in_use <= target && len <= limit {
                 break;
             }
-            match self.pt.slot(i) {
-                Some(s) if s >= limit || in_use > target => {}
+            let above = match self.pt.slot(i) {
+                Some(s) if s >= limit || in_use > target => s >= limit,
                 _ => continue,
-            }
+            };
             let st = self.pt.load(i).state();
+            if st == State::Evicted && above && (movers.len() as u64) < room {
+                movers.push(i);
+                continue;
+            }
             if !matches!(st, State::Mapped | State::Staged) {
                 continue;
             }
@@ -170,10 +176,16 @@ impl Engine {
             }
             self.pt.publish(i, st, None);
         }
-        let mut slots = self.slots();
-        for &s in &freed {
-            slots.free(s);
+        {
+            let mut slots = self.slots();
+            for &s in &freed {
+                slots.free(s);
+            }
         }
+        if !movers.is_empty() {
+            self.relocate(&movers);
+        }
+        let mut slots = self.slots();
         if let Some(to) = slots.shrink_to() {
             // The map stays locked: no slot is allocated above `to` meanwhile.
             if self.tier.shrink(to).is_ok() {
@@ -182,6 +194,67 @@ impl Engine {
         }
         Counters::add(&self.counters.tier_copies_dropped, freed.len() as u64);
         freed.len() as u64
+    }
+
+    /// Moves the tier copies of `pages` (pages that live only in tier 1, in slots above the
+    /// limit) to free slots below it, while there are any. Each copy is read, checked against
+    /// the checksum taken when it was written and written to its new slot before the page
+    /// points there; a page that changed state meanwhile is left alone, and on a failure the
+    /// page keeps its old slot (nothing is lost; the next epoch tries again). An encrypted
+    /// tier seals the copy again for its new slot. Returns the pages moved.
+    fn relocate(&self, pages: &[usize]) -> u64 {
+        let mut buf = self.bounce.take();
+        let mut moved = 0;
+        for &i in pages {
+            // Below the limit only: the store does not grow while it is longer than it.
+            let Some((new, _)) = self.slots().alloc_run(1, |_| false) else {
+                break;
+            };
+            // Claimed, the page cannot be faulted in or freed while its copy moves (a fault
+            // waits for it).
+            if self.pt.claim(i, State::Evicted, false).is_none() {
+                self.slots().free(new);
+                continue;
+            }
+            let Some(old) = self.pt.slot(i) else {
+                self.slots().free(new);
+                self.pt.publish(i, State::Evicted, None);
+                continue;
+            };
+            // SAFETY: `buf` is a bounce buffer of READAHEAD pages that this thread holds.
+            let ok = match unsafe { self.tier.read(old, 1, buf as *mut u8) } {
+                Ok(()) if self.matches_tier_copy(i, buf) => {
+                    // SAFETY: `buf` holds one page just read.
+                    unsafe { self.tier.write(new, &[buf]) }.is_ok()
+                }
+                Ok(()) => {
+                    Counters::bump(&self.counters.tier_read_mismatches);
+                    false
+                }
+                Err(e) => {
+                    Counters::bump(&self.counters.tier_errors);
+                    if e.buffer_lost {
+                        self.bounce.retire(buf);
+                        buf = self.bounce.take();
+                    }
+                    false
+                }
+            };
+            {
+                let mut s = self.slots();
+                if ok {
+                    self.pt.set_slot(i, Some(new));
+                    s.free(old);
+                    moved += 1;
+                } else {
+                    s.free(new);
+                }
+            }
+            self.pt.publish(i, State::Evicted, None);
+        }
+        self.bounce.give(buf);
+        Counters::add(&self.counters.tier_copies_moved, moved);
+        moved
     }
 
     /// Ends an epoch: shifts every page's history. Returns the pages seen touched in this

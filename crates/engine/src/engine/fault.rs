@@ -43,7 +43,7 @@ impl BouncePool {
         })
     }
 
-    fn take(&self) -> usize {
+    pub(super) fn take(&self) -> usize {
         loop {
             let bits = self.used.load(Ordering::Acquire);
             if bits == u64::MAX {
@@ -62,9 +62,9 @@ impl BouncePool {
     }
 
     /// A buffer a read may still land in is never handed out again (it stays taken).
-    fn retire(&self, _buf: usize) {}
+    pub(super) fn retire(&self, _buf: usize) {}
 
-    fn give(&self, buf: usize) {
+    pub(super) fn give(&self, buf: usize) {
         let i = (buf - self.mem.addr()) / (READAHEAD * PAGE_SIZE);
         self.used.fetch_and(!(1 << i), Ordering::Release);
     }
@@ -475,7 +475,7 @@ impl Engine {
     }
 
     /// Whether the page read into `buf` for page `q` is the one written to its tier slot.
-    fn matches_tier_copy(&self, q: usize, buf: usize) -> bool {
+    pub(super) fn matches_tier_copy(&self, q: usize, buf: usize) -> bool {
         // SAFETY: `buf` is a page of a bounce buffer this thread holds, just read into.
         let bytes = unsafe { std::slice::from_raw_parts(buf as *const u8, PAGE_SIZE) };
         xxhash_rust::xxh3::xxh3_64(bytes) == self.pt.hash(q)

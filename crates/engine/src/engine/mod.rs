@@ -566,6 +566,7 @@ impl Engine {
             demotions_clean: r(&c.demotions_clean),
             demotions_zero: r(&c.demotions_zero),
             tier_copies_dropped: r(&c.tier_copies_dropped),
+            tier_copies_moved: r(&c.tier_copies_moved),
             deactivations: r(&c.deactivations),
             reactivations: r(&c.reactivations),
             recorded_events: self.recorder.as_ref().map_or(0, |r| r.written()),

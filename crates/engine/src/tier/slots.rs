@@ -5,7 +5,8 @@
 //!
 //! The tier's size may change at run time ([`SlotMap::set_limit`], a host daemon's share of its
 //! tier capacity): a lowered limit is kept by allocating only below it, never more slots in use
-//! than it allows, and by cutting the store's free tail ([`SlotMap::shrink_to`]).
+//! than it allows, and by cutting the store's free tail ([`SlotMap::shrink_to`]) once the
+//! engine has moved what lay above the limit below it.
 
 /// Which tier-1 slots are in use.
 #[derive(Debug, Default)]
@@ -44,6 +45,12 @@ impl SlotMap {
     /// Slots in use beyond the limit (after it was lowered).
     pub fn over_limit(&self) -> u64 {
         self.in_use.saturating_sub(self.limit)
+    }
+
+    /// Whether the tier is not within its limit yet: more slots in use than it allows, or a
+    /// store longer than it (to be cut once nothing in use lies above it).
+    pub fn needs_reclaim(&self) -> bool {
+        self.in_use > self.limit || self.len > self.limit
     }
 
     /// Whether a slot can be allocated without growing the store.
