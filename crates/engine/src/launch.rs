@@ -6,6 +6,7 @@
 //! [`default_sigpipe`].
 
 use std::io;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -100,9 +101,10 @@ fn ask(stats_dir: &Path, file: &str, bytes: u64) -> io::Result<()> {
     std::fs::rename(&tmp, stats_dir.join(file))
 }
 
-/// A private directory for the statistics files of one launch, removed on drop. A launcher
-/// killed with SIGKILL cannot remove its own: the next launch removes directories whose
-/// launcher is gone.
+/// A private directory for the statistics files of one launch (mode 0700 whatever the umask:
+/// whoever can write in it can change the program's quota and tier size and forge its
+/// figures), removed on drop. A launcher killed with SIGKILL cannot remove its own: the next
+/// launch by the same user removes directories whose launcher is gone.
 pub struct StatsDir(pub PathBuf);
 
 const STATS_PREFIX: &str = "memtide-stats-";
@@ -113,8 +115,12 @@ impl StatsDir {
         remove_orphans(&base);
         for n in 0..1000 {
             let p = base.join(format!("{STATS_PREFIX}{}-{n}", std::process::id()));
-            match std::fs::create_dir(&p) {
-                Ok(()) => return Ok(StatsDir(p)),
+            match std::fs::DirBuilder::new().mode(0o700).create(&p) {
+                Ok(()) => {
+                    // The mode given is masked by the umask (0277 would leave 0500): set it.
+                    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o700))?;
+                    return Ok(StatsDir(p));
+                }
                 Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
                 Err(e) => return Err(e),
             }
@@ -132,12 +138,20 @@ impl Drop for StatsDir {
     }
 }
 
-/// Removes stats directories in `base` whose launcher no longer runs.
+/// Removes this user's stats directories in `base` whose launcher no longer runs.
 fn remove_orphans(base: &Path) {
     let Ok(rd) = std::fs::read_dir(base) else {
         return;
     };
+    let me = crate::sys::effective_uid();
     for ent in rd.flatten() {
+        if !ent
+            .path()
+            .symlink_metadata()
+            .is_ok_and(|m| m.is_dir() && m.uid() == me)
+        {
+            continue;
+        }
         let name = ent.file_name();
         let Some(pid) = name
             .to_str()
