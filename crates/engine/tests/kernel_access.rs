@@ -178,3 +178,54 @@ fn another_process_reads_evicted_pages_with_process_vm_readv() {
     assert!(out.status.success(), "{err}");
     assert!(err.contains("read 16 evicted pages"), "{err}");
 }
+
+/// With SIGBUS delivery, a program well within its quota keeps every page mapped: the
+/// active-memory sampler unmaps none (before, it unmapped up to 1024 pages a window, and a
+/// futex on a condition variable in managed memory then failed with EFAULT, which glibc
+/// takes as fatal).
+#[test]
+fn with_sigbus_delivery_a_futex_within_the_quota_never_faults() {
+    let dir = scratch("kernel-futex");
+    let mut cfg = config(&dir, 64 << 20);
+    cfg.faults = Delivery::Signal;
+    let e = start(&cfg);
+    let pages = 2048; // 8 MiB, an eighth of the quota
+    let b = e.alloc(pages * PAGE, PAGE).unwrap();
+    for i in 0..pages {
+        // SAFETY: a managed page of ours.
+        unsafe { ((b + i * PAGE) as *mut u64).write_volatile(stamp(i)) };
+    }
+    let epochs = e.snapshot().epochs;
+    let t0 = std::time::Instant::now();
+    let mut waits = 0u64;
+    while e.snapshot().epochs < epochs + 20 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "no epochs ended");
+        for i in 0..pages {
+            let word = (b + i * PAGE) as *const u32;
+            let timeout = libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            };
+            // SAFETY: FUTEX_WAIT reads the word at `word` (a managed page of ours) and, since
+            // it does not hold `!stamp`, returns at once with EAGAIN.
+            let r = unsafe {
+                libc::syscall(
+                    libc::SYS_futex,
+                    word,
+                    libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG,
+                    !(stamp(i) as u32),
+                    &timeout as *const libc::timespec,
+                )
+            };
+            assert_eq!(r, -1);
+            let errno = std::io::Error::last_os_error().raw_os_error();
+            assert_eq!(errno, Some(libc::EAGAIN), "futex on page {i}");
+            waits += 1;
+        }
+    }
+    let s = e.snapshot();
+    assert_eq!(s.faults_inactive, 0, "no page was unmapped: {s:?}");
+    // What it reports as active is what it holds (nothing was measured).
+    assert_eq!(s.active_bytes, (pages * PAGE) as u64, "{s:?}");
+    assert!(waits > 0);
+}

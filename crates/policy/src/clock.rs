@@ -164,7 +164,7 @@ impl Watermarks {
     pub fn relieve(&self, m: &mut impl Relieve) -> Relief {
         let resident = m.resident();
         if !self.over_high(resident) {
-            if resident + self.low_headroom + self.inactive_target >= self.quota {
+            if self.near_quota(resident) {
                 let inactive = m.inactive();
                 if inactive < self.inactive_target {
                     m.deactivate(self.inactive_target - inactive);

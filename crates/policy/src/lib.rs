@@ -127,6 +127,12 @@ impl Watermarks {
         resident + self.high_headroom > self.quota
     }
 
+    /// Whether this many resident pages are near enough the quota that pages are unmapped into
+    /// the inactive list (so that hot ones show themselves before any is written).
+    pub fn near_quota(&self, resident: u64) -> bool {
+        resident + self.low_headroom + self.inactive_target >= self.quota
+    }
+
     /// Whether eviction may stop with this many resident pages.
     pub fn under_low(&self, resident: u64) -> bool {
         resident + self.low_headroom <= self.quota

@@ -22,6 +22,14 @@
 //! `sqrt(f (1 - f) / 1024)`: 1.25 percentage points at `f` = 20%; the average of four
 //! windows halves it. Pages brought in by read-ahead beside a faulting neighbour are mapped
 //! without a fault of their own, so a sampled tier-1 page read ahead and then touched is missed.
+//!
+//! # Under SIGBUS delivery
+//!
+//! There, a kernel access to an unmapped page (a futex on a condition variable, a system call
+//! memtide does not wrap) fails with EFAULT instead of waiting, so a program well within its
+//! quota must find all its pages mapped: the sampler unmaps nothing until the program is near
+//! its quota (where eviction unmaps pages anyway), and until then reports every populated page
+//! as active, an upper bound that takes no DRAM from the program on a guess.
 
 use std::sync::atomic::Ordering;
 
@@ -47,6 +55,9 @@ pub(super) struct ActiveSampler {
     /// The latest windows' estimates, in pages (a ring of `AVERAGED`).
     recent: [u64; AVERAGED],
     windows: usize,
+    /// Nothing is sampled (SIGBUS delivery, well within the quota): every populated page
+    /// counts as active.
+    held_back: bool,
 }
 
 impl ActiveSampler {
@@ -57,6 +68,7 @@ impl ActiveSampler {
             rng: seed | 1,
             recent: [0; AVERAGED],
             windows: 0,
+            held_back: false,
         }
     }
 
@@ -86,6 +98,9 @@ impl Engine {
     /// number of populated pages (`populated`, as the last aging counted them): ends the
     /// current window if it is over, and returns the estimate of active pages.
     pub(super) fn active_window_ends(&self, s: &mut ActiveSampler, populated: u64) -> Option<u64> {
+        if s.held_back {
+            return Some(populated);
+        }
         if s.sample.is_empty() {
             return s.estimate();
         }
@@ -124,6 +139,13 @@ impl Engine {
             return;
         }
         s.epochs = 0;
+        s.held_back =
+            self.kernel_access_needs_pins() && !self.quota.wm().near_quota(self.quota.resident());
+        if s.held_back {
+            // Windows measured before do not describe the program once sampling resumes.
+            s.windows = 0;
+            return;
+        }
         let extent = self.high_water.load(Ordering::Acquire);
         if extent == 0 {
             return;

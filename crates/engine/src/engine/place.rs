@@ -225,7 +225,7 @@ impl Engine {
             }
         }
         let resident = self.quota.resident();
-        if resident + wm.low_headroom + wm.inactive_target >= wm.quota {
+        if wm.near_quota(resident) {
             loop {
                 let room = self.stage_room();
                 let mut pages = EnginePages {
