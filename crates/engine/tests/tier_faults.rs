@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{config, in_child, is_child, scratch, start, Scratch, PAGE};
-use memtide_engine::tier::{Backend, FileTier, TierFaults, UringTier};
+use memtide_engine::tier::{Backend, Encrypted, FileTier, TierFaults, UringTier};
 use memtide_engine::Engine;
 
 /// Counts the allocations made by threads that asked to be watched.
@@ -338,4 +338,49 @@ fn a_tier_filesystem_that_fills_up_mid_run_keeps_data_in_dram_and_resumes_when_f
     }
     assert_eq!(warned(&after.warnings), 1, "{:?}", after.warnings);
     drop(fs);
+}
+
+/// When waiting on the write ring failed, the writes still in flight were left to land
+/// whenever they did, while the encrypted tier sealed the next batch into the same scratch
+/// page: a late write then put another slot's ciphertext into the first slot, which no longer
+/// authenticated (a false "altered on the device", fatal to the program).
+#[test]
+fn writes_a_lost_ring_still_held_land_before_their_pages_are_reused() {
+    let dir = scratch("uring-lost-write");
+    let Ok(uring) = UringTier::new(FileTier::create(&dir.0).unwrap()) else {
+        panic!("io_uring is available on these machines");
+    };
+    uring.inject_lost_write(300);
+    let tier = Encrypted::new(Box::new(uring), 16).unwrap();
+    tier.grow(2).unwrap();
+    let page = |fill: u8| {
+        let mut v = vec![0u8; 2 * PAGE];
+        let off = v.as_ptr().align_offset(PAGE);
+        v[off..off + PAGE].fill(fill);
+        (v, off)
+    };
+    let (a, a_off) = page(0xA1);
+    let (b, b_off) = page(0xB2);
+    let t0 = std::time::Instant::now();
+    // SAFETY: readable, aligned pages.
+    unsafe { tier.write(0, &[a.as_ptr() as usize + a_off]) }.unwrap();
+    assert!(
+        t0.elapsed() >= std::time::Duration::from_millis(250),
+        "the write returned while its lost request was still held ({:?})",
+        t0.elapsed()
+    );
+    // SAFETY: as above.
+    unsafe { tier.write(1, &[b.as_ptr() as usize + b_off]) }.unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let (mut buf, off) = page(0);
+    for (slot, want) in [(0u64, 0xA1u8), (1, 0xB2)] {
+        let p = buf[off..].as_mut_ptr();
+        // SAFETY: `p` is a writable, aligned page.
+        unsafe { tier.read(slot, 1, p) }.unwrap_or_else(|e| panic!("slot {slot}: {}", e.error));
+        assert!(
+            buf[off..off + PAGE].iter().all(|&x| x == want),
+            "slot {slot} read back {:#x}",
+            buf[off]
+        );
+    }
 }

@@ -10,13 +10,17 @@
 //! - A ring is handed back only when none of its requests can still complete: a read ring
 //!   whose wait failed with a request outstanding is retired for good (it stays taken), and
 //!   its caller is told that the buffer may still be written ([`ReadError::buffer_lost`]).
+//! - A write returns only when none of its requests can still complete: when waiting on the
+//!   write ring fails, the writes the kernel took are waited for by watching the completion
+//!   queue before the pages (and the iovecs naming them) go back to the caller, who may reuse
+//!   them at once (the encrypted tier seals the next batch into the same scratch pages).
 //! - Every read carries its own id, and a completion is taken only by the request it names.
 
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use io_uring::{opcode, types, IoUring};
+use io_uring::{opcode, squeue, types, IoUring};
 use memtide_policy::PAGE_SIZE;
 
 use super::{Backend, FileTier, ReadError};
@@ -47,6 +51,9 @@ pub struct UringTier {
     /// Fault injection for tests: the next N read waits fail after submitting, with the read
     /// in flight (as a failing `io_uring_enter` leaves it).
     lose_waits: AtomicU32,
+    /// Fault injection for tests: the next write batch's wait fails, its writes held in flight
+    /// this many milliseconds (0: none).
+    lose_write_ms: AtomicU64,
 }
 
 impl UringTier {
@@ -73,6 +80,7 @@ impl UringTier {
             read_rings,
             next_id: AtomicU64::new(1),
             lose_waits: AtomicU32::new(0),
+            lose_write_ms: AtomicU64::new(0),
         })
     }
 
@@ -80,6 +88,14 @@ impl UringTier {
     #[doc(hidden)]
     pub fn inject_lost_waits(&self, n: u32) {
         self.lose_waits.store(n, Ordering::Relaxed);
+    }
+
+    /// For tests: the next write batch's wait fails after submitting it, each write held in
+    /// flight for `ms` milliseconds behind a timeout (as a failing `io_uring_enter` leaves
+    /// writes the device has not finished).
+    #[doc(hidden)]
+    pub fn inject_lost_write(&self, ms: u64) {
+        self.lose_write_ms.store(ms, Ordering::Relaxed);
     }
 
     /// Waits for the completion of read `id` (of `len` bytes) on `ring` and returns its
@@ -140,7 +156,7 @@ fn transient(e: &io::Error) -> bool {
 enum Reap {
     /// A write completed with an error.
     Failed(io::Error),
-    /// The ring failed while writes may still be in flight.
+    /// The ring failed; the writes the kernel had taken have completed since (see [`lost`]).
     Lost,
 }
 
@@ -153,7 +169,7 @@ fn reap(ring: &mut IoUring, n: usize, expect: &[(u64, usize)]) -> Result<(), Rea
         match ring.submit_and_wait(n - done) {
             Ok(_) => {}
             Err(e) if transient(&e) => continue,
-            Err(_) => return Err(Reap::Lost),
+            Err(_) => return Err(lost(ring, n - done)),
         }
         for cqe in ring.completion() {
             done += 1;
@@ -172,6 +188,25 @@ fn reap(ring: &mut IoUring, n: usize, expect: &[(u64, usize)]) -> Result<(), Rea
         }
     }
     first_err.map_or(Ok(()), |e| Err(Reap::Failed(e)))
+}
+
+/// After waiting on `ring` failed with `outstanding` requests queued or in flight: waits until
+/// every request the kernel took has completed, watching the completion queue (completions are
+/// posted without `io_uring_enter`; this thread's sleeps let it run the kernel's task work
+/// that posts some of them), so that no write lands after its pages went back to the caller.
+/// Requests still in the submission queue were never taken and never will be: the ring is not
+/// used again.
+fn lost(ring: &mut IoUring, outstanding: usize) -> Reap {
+    let untaken = ring.submission().len();
+    let mut left = outstanding.saturating_sub(untaken);
+    while left > 0 {
+        let got = ring.completion().count();
+        left = left.saturating_sub(got);
+        if left > 0 {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+    Reap::Lost
 }
 
 impl Backend for UringTier {
@@ -238,8 +273,8 @@ impl Backend for UringTier {
             Ok(()) => Ok(()),
             Err(Reap::Failed(e)) => Err(e),
             Err(Reap::Lost) => {
-                // Writes may still be in flight: write the same bytes to the same slots the
-                // plain way (a late duplicate lands the same bytes), and keep to the plain way.
+                // Every write the ring took has completed (`lost`): write the same bytes to
+                // the same slots the plain way, and keep to the plain way.
                 self.write_ring_broken.store(true, Ordering::Release);
                 // SAFETY: forwarded contract.
                 unsafe { self.file.write_runs(runs) }
@@ -289,6 +324,8 @@ impl UringTier {
             .collect();
         let mut expect = Vec::new();
         let mut queued = 0;
+        let hold_ms = self.lose_write_ms.swap(0, Ordering::Relaxed);
+        let hold = types::Timespec::new().nsec(hold_ms as u32 * 1_000_000);
         for (k, ((slot, _), iov)) in runs.iter().zip(&iovs).enumerate() {
             for (c, chunk) in iov.chunks(libc::UIO_MAXIOV as usize).enumerate() {
                 let off = (slot + (c * libc::UIO_MAXIOV as usize) as u64) * PAGE_SIZE as u64;
@@ -297,6 +334,18 @@ impl UringTier {
                     .offset(off)
                     .build()
                     .user_data(id);
+                if hold_ms > 0 {
+                    // Injected: the write waits behind a timeout (a hard link survives the
+                    // timeout's -ETIME).
+                    let t = opcode::Timeout::new(&hold)
+                        .build()
+                        .flags(squeue::Flags::IO_HARDLINK)
+                        .user_data(u64::MAX);
+                    // SAFETY: `hold` is read when the timeout is prepared, at submission.
+                    if unsafe { ring.submission().push(&t) }.is_ok() {
+                        queued += 1;
+                    }
+                }
                 // SAFETY: the iovecs and the pages they name outlive the operation: we wait
                 // for every completion before returning.
                 while unsafe { ring.submission().push(&sqe) }.is_err() {
@@ -308,6 +357,10 @@ impl UringTier {
                 expect.push((id, chunk.len() * PAGE_SIZE));
                 queued += 1;
             }
+        }
+        if hold_ms > 0 {
+            ring.submit().map_err(|_| Reap::Lost)?;
+            return Err(lost(ring, queued));
         }
         reap(ring, queued, &expect)
     }
