@@ -1112,7 +1112,21 @@ fn a_hostile_member_cannot_take_the_host() {
     assert_eq!(opened, 100, "{flood}");
     assert!(turned >= 100 - 31, "only {turned} of 100 refused");
     let cpu0 = (cpu_seconds(daemon_pid), Instant::now());
+    // Meanwhile HTTP clients that ask nothing or never read their answer.
+    let port = d.metrics;
+    let mut slow: Vec<std::net::TcpStream> = (0..8)
+        .map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).unwrap())
+        .collect();
+    for c in slow.iter_mut().step_by(2) {
+        write!(c, "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").unwrap();
+    }
     std::thread::sleep(Duration::from_secs(2));
+    let t_scrape = Instant::now();
+    assert!(
+        http_get(port, "/metrics").is_some_and(|m| m.contains("# EOF")),
+        "a scrape beside slow clients"
+    );
+    assert!(t_scrape.elapsed() < Duration::from_secs(2));
     let s = status(&d.socket);
     check_quotas(&s, budget);
     let o = memtide()
@@ -1157,9 +1171,9 @@ fn a_hostile_member_cannot_take_the_host() {
     }
     assert!(hostile.wait().unwrap().success());
 
+    drop(slow);
     // The HTTP side: with --group it shows the host's totals only, and a request by a name
     // (as a rebinding web page makes) is refused.
-    let port = d.metrics;
     let metrics = http_get(port, "/metrics").unwrap();
     assert!(
         metrics.contains("memtide_host_dram_budget_bytes"),

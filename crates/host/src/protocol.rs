@@ -471,6 +471,61 @@ mod tests {
             }
         }
 
+        /// Reports with any numbers: one that passes the check yields latency quantiles that
+        /// are numbers within its buckets' bounds, and bounding it never leaves a figure above
+        /// what it manages.
+        #[test]
+        fn a_report_that_passes_the_check_means_something(
+            reads in any::<u64>(),
+            junk in prop::collection::vec((-1e9f64..1e12, any::<u64>()), 0..80),
+            steps in prop::collection::vec((0.1f64..1e4, 0u64..1000), 0..70),
+            sum in prop_oneof![Just(f64::NAN), Just(f64::INFINITY), -1e9f64..1e12],
+            figures in prop::array::uniform5(any::<u64>()),
+            q in 0.0f64..=1.0,
+        ) {
+            // Half the time, buckets that rise (as an engine's do), maybe too many.
+            let buckets = if reads % 2 == 0 {
+                junk
+            } else {
+                steps
+                    .iter()
+                    .scan((0.0, 0u64), |at, &(dl, dn)| {
+                        *at = (at.0 + dl, at.1 + dn);
+                        Some(*at)
+                    })
+                    .collect()
+            };
+            let reads = if reads % 2 == 0 {
+                reads
+            } else {
+                buckets.last().map_or(0, |b: &(f64, u64)| b.1) + reads % 1000
+            };
+            let mut r = TenantReport {
+                tier_reads: reads,
+                tier_read_latency_buckets: buckets,
+                tier_read_latency_sum_us: sum,
+                managed_bytes: figures[0],
+                dram_bytes: figures[1],
+                active_bytes: figures[2],
+                tier_bytes: figures[3],
+                tier_limit_bytes: figures[4],
+                ..TenantReport::default()
+            };
+            if r.check().is_ok() {
+                prop_assert!(r.tier_read_latency_buckets.len() <= MAX_LATENCY_BUCKETS);
+                let top = r.tier_read_latency_buckets.last().map_or(0.0, |b| b.0);
+                if let Some(us) = window_quantile_us(&r, None, q) {
+                    prop_assert!(us.is_finite() && (0.0..=top).contains(&us), "{us} beyond {top}");
+                }
+            }
+            r.bound(figures[0] / 2, 1 << 40);
+            prop_assert!(r.managed_bytes <= figures[0] / 2);
+            for v in [r.dram_bytes, r.active_bytes, r.tier_bytes] {
+                prop_assert!(v <= r.managed_bytes);
+            }
+            prop_assert!(r.tier_limit_bytes <= 1 << 40);
+        }
+
         /// JSON-shaped junk: valid JSON that is not a request is refused, not taken.
         #[test]
         fn json_that_is_not_a_request_is_refused(
