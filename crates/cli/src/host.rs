@@ -146,7 +146,7 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
     }
     let metrics_at = metrics_addr(&a.metrics)?;
     let duration = |flag: &str, secs: f64| {
-        Duration::try_from_secs_f64(secs).map_err(|_| anyhow::anyhow!("{flag} {secs}: too long"))
+        Duration::try_from_secs_f64(secs).map_err(|_| anyhow::anyhow!("{flag}: too long a time"))
     };
     let (epoch, silence) = (
         duration("--epoch", a.epoch)?,

@@ -645,6 +645,18 @@ fn bad_host_input_gets_one_line() {
         &["host", "--dram", "1GiB", "--metrics", "nowhere"],
         "expected an address",
     );
+    common::fails_with(
+        &["host", "--dram", "1GiB", "--epoch", "1e30"],
+        "--epoch: too long a time",
+    );
+    common::fails_with(
+        &["host", "--dram", "1GiB", "--http-view", "all"],
+        "expected tenants or host",
+    );
+    common::fails_with(
+        &["run", "--host", "--stats-interval", "20s", "--", "true"],
+        "under --host at most 10s",
+    );
     let dir = Scratch::new("host-bad");
     let d = start_daemon(dir.path(), "256MiB", &[]);
     // A second daemon on the same socket is refused, and the first one still answers.
