@@ -263,9 +263,9 @@ fn tier_file(dir: &common::Scratch) -> std::fs::Metadata {
     panic!("no tier file open under {}", d.display());
 }
 
-/// A lowered tier limit while a page that lives only in tier 1 sits in a slot far above it:
-/// its copy moves below the limit and the file is cut to the limit (before, the file stayed
-/// as long as that slot, for good, while the host daemon gave the space to others).
+/// A tier limit lowered to exactly what lives only in tier 1, all of it in slots far above the
+/// limit: the copies move below it and the file is cut to the limit (before, the file stayed
+/// as long as the highest slot, for good, while the host daemon gave the space to others).
 fn lowered_limit_cuts_the_file(name: &str, encrypt: bool) {
     let dir = common::scratch(name);
     let mut cfg = common::config(&dir, 8 << 20);
@@ -279,35 +279,45 @@ fn lowered_limit_cuts_the_file(name: &str, encrypt: bool) {
     wait_for("resident pages never came down to 8 MiB", || {
         e.resident_pages() <= (8 << 20) / PAGE as u64
     });
-    // Keep only the evicted page in the highest slot; free every other page.
-    let (top, slot) = (0..pages)
+    // Keep the 256 evicted pages in the highest slots (1 MiB); free every other page.
+    let mut evicted: Vec<(usize, u64)> = (0..pages)
         .filter_map(|p| {
             let i = e.page_info(base + p * PAGE)?;
             (i.state == "Evicted").then_some((p, i.tier_slot?))
         })
-        .max_by_key(|&(_, s)| s)
-        .expect("evicted pages");
-    assert!(slot >= 1024, "the highest evicted page is in slot {slot}");
-    if top > 0 {
-        e.discard(base, top * PAGE).unwrap();
+        .collect();
+    evicted.sort_by_key(|&(_, s)| std::cmp::Reverse(s));
+    evicted.truncate(256);
+    assert_eq!(evicted.len(), 256);
+    let lowest = evicted.last().unwrap().1;
+    assert!(lowest >= 1024, "the kept pages start at slot {lowest}");
+    for p in 0..pages {
+        if !evicted.iter().any(|&(q, _)| q == p) {
+            e.discard(base + p * PAGE, PAGE).unwrap();
+        }
     }
-    if top + 1 < pages {
-        e.discard(base + (top + 1) * PAGE, (pages - top - 1) * PAGE)
-            .unwrap();
-    }
+    assert_eq!(
+        e.snapshot().tier_bytes,
+        1 << 20,
+        "only the kept pages are in tier 1"
+    );
     assert_eq!(e.set_tier_bytes(1 << 20), 1 << 20);
     wait_for("the tier file was never cut to 1 MiB", || {
         e.snapshot().tier_file_bytes <= 1 << 20
     });
     let f = tier_file(&dir);
     assert!(f.len() <= 1 << 20, "the file holds {} bytes", f.len());
-    let i = e.page_info(base + top * PAGE).unwrap();
-    assert_eq!(i.state, "Evicted", "moved within the tier, not into DRAM");
-    assert!(i.tier_slot.unwrap() < 256, "{i:?}");
-    assert!(e.snapshot().tier_copies_moved >= 1);
-    // SAFETY: the page lies in managed memory the test allocated.
-    let v = unsafe { ((base + top * PAGE) as *const u64).read_volatile() };
-    assert_eq!(v, stamp(top), "the moved page lost its bytes");
+    assert_eq!(e.snapshot().tier_copies_moved, 256);
+    for &(p, _) in &evicted {
+        let i = e.page_info(base + p * PAGE).unwrap();
+        assert_eq!(i.state, "Evicted", "moved within the tier, not into DRAM");
+        assert!(i.tier_slot.unwrap() < 256, "{i:?}");
+    }
+    for &(p, _) in &evicted {
+        // SAFETY: the page lies in managed memory the test allocated.
+        let v = unsafe { ((base + p * PAGE) as *const u64).read_volatile() };
+        assert_eq!(v, stamp(p), "page {p} lost its bytes in the move");
+    }
     e.audit().unwrap();
 }
 

@@ -148,6 +148,8 @@ impl Engine {
         };
         let mut freed: Vec<u64> = Vec::new();
         let mut movers: Vec<usize> = Vec::new();
+        // A tier that failed is read only by faults, never rewritten.
+        let may_move = !self.tier_failed.load(Ordering::Acquire);
         let hw = self.high_water.load(Ordering::Acquire);
         for i in 0..hw {
             if in_use <= target && len <= limit {
@@ -158,7 +160,7 @@ impl Engine {
                 _ => continue,
             };
             let st = self.pt.load(i).state();
-            if st == State::Evicted && above && (movers.len() as u64) < room {
+            if st == State::Evicted && above && may_move && (movers.len() as u64) < room {
                 movers.push(i);
                 continue;
             }
@@ -206,8 +208,9 @@ impl Engine {
         let mut buf = self.bounce.take();
         let mut moved = 0;
         for &i in pages {
-            // Below the limit only: the store does not grow while it is longer than it.
-            let Some((new, _)) = self.slots().alloc_run(1, |_| false) else {
+            // Below the limit, even when as many slots are in use as it allows: the old slot
+            // goes back once the copy has moved.
+            let Some(new) = self.slots().take_below_limit() else {
                 break;
             };
             // Claimed, the page cannot be faulted in or freed while its copy moves (a fault
@@ -246,6 +249,8 @@ impl Engine {
                     self.pt.set_slot(i, Some(new));
                     s.free(old);
                     moved += 1;
+                    Counters::add(&self.counters.tier_read_bytes, PAGE_SIZE as u64);
+                    Counters::add(&self.counters.tier_write_bytes, PAGE_SIZE as u64);
                 } else {
                     s.free(new);
                 }

@@ -464,9 +464,10 @@ impl Engine {
 
     /// Sets how much tier 1 may hold from now on (a host daemon's share of its tier capacity),
     /// at most the `tier_max_bytes` the engine started with; returns the limit in force. A
-    /// lower limit is reached by dropping tier copies of pages that are also in DRAM and then
-    /// by evicting only into freed slots: pages that live only in tier 1 stay there, so until
-    /// they come back or are freed, eviction stops and the program holds DRAM above its quota
+    /// lower limit is reached by dropping tier copies of pages that are also in DRAM, moving
+    /// the copies of pages that live only in tier 1 from above the limit to free slots below
+    /// it, cutting the file, and then evicting only into freed slots: when the pages that live
+    /// only in tier 1 fill the limit, eviction stops and the program holds DRAM above its quota
     /// rather than lose a page.
     pub fn set_tier_bytes(&self, bytes: u64) -> u64 {
         let limit = self.slots().set_limit(bytes / PAGE_SIZE as u64);

@@ -35,8 +35,9 @@ impl SlotMap {
     }
 
     /// Sets how many slots the tier may use from now on (at most the cap given at creation);
-    /// returns the limit in force. Slots already in use above it stay until they are freed:
-    /// see [`over_limit`](Self::over_limit) and [`shrink_to`](Self::shrink_to).
+    /// returns the limit in force. Slots already in use above it stay until they are freed or
+    /// their copies move below it: see [`needs_reclaim`](Self::needs_reclaim),
+    /// [`take_below_limit`](Self::take_below_limit) and [`shrink_to`](Self::shrink_to).
     pub fn set_limit(&mut self, limit: u64) -> u64 {
         self.limit = limit.min(self.cap);
         self.limit
@@ -140,6 +141,20 @@ impl SlotMap {
         } else {
             self.used[w] &= !(1 << (s % 64));
         }
+    }
+
+    /// Takes a free slot below the limit for a copy that moves down from above it (which gives
+    /// its old slot back, so no more slots are in use than before: the limit on slots in use
+    /// does not apply). `None` when every slot below the limit is in use.
+    pub fn take_below_limit(&mut self) -> Option<u64> {
+        let end = self.len.min(self.limit);
+        let s = (0..end).find(|&s| {
+            let w = self.used[(s / 64) as usize];
+            w != u64::MAX && !self.is_used(s)
+        })?;
+        self.set(s, true);
+        self.in_use += 1;
+        Some(s)
     }
 
     /// Allocates up to `want` consecutive slots and returns `(first, count)`. It prefers free

@@ -324,8 +324,13 @@ impl UringTier {
             .collect();
         let mut expect = Vec::new();
         let mut queued = 0;
-        let hold_ms = self.lose_write_ms.swap(0, Ordering::Relaxed);
-        let hold = types::Timespec::new().nsec(hold_ms as u32 * 1_000_000);
+        let hold_ms = match self.lose_write_ms.load(Ordering::Relaxed) {
+            0 => 0,
+            _ => self.lose_write_ms.swap(0, Ordering::Relaxed),
+        };
+        let hold = types::Timespec::new()
+            .sec(hold_ms / 1000)
+            .nsec((hold_ms % 1000) as u32 * 1_000_000);
         for (k, ((slot, _), iov)) in runs.iter().zip(&iovs).enumerate() {
             for (c, chunk) in iov.chunks(libc::UIO_MAXIOV as usize).enumerate() {
                 let off = (slot + (c * libc::UIO_MAXIOV as usize) as u64) * PAGE_SIZE as u64;
