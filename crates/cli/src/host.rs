@@ -152,6 +152,11 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
         duration("--epoch", a.epoch)?,
         duration("--tenant-timeout", a.tenant_timeout)?,
     );
+    if silence < Duration::from_secs(1) {
+        bail!(
+            "--tenant-timeout: at least 1s (tenants report every --stats-interval, 1 s by default)"
+        );
+    }
     let cfg = HostConfig {
         budget_bytes,
         tier_dir: a.tier.clone(),

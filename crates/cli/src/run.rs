@@ -150,10 +150,6 @@ struct View {
     tenant: u64,
 }
 
-/// The longest --stats-interval under --host: tenants report that often, well within the
-/// daemon's --tenant-timeout (30 s unless told otherwise).
-const MAX_REPORT_INTERVAL: f64 = 10.0;
-
 /// The tenant's connection to the host daemon: registers, reports, and keeps the last quota
 /// when the daemon goes away (registering again when it returns).
 struct HostLink {
@@ -176,6 +172,8 @@ struct Grant {
     tier_bytes: u64,
     tier_capacity_bytes: u64,
     encrypt_tier: bool,
+    /// The daemon lets go of a tenant that sends no report for this long (0: not said).
+    silence_seconds: f64,
 }
 
 /// Connects to the daemon at `socket` and registers `registration`.
@@ -189,6 +187,7 @@ fn register_at(socket: &Path, registration: &Registration) -> Result<(Client, Gr
             tier_bytes,
             tier_capacity_bytes,
             encrypt_tier,
+            silence_seconds,
         } => Ok((
             client,
             Grant {
@@ -198,6 +197,7 @@ fn register_at(socket: &Path, registration: &Registration) -> Result<(Client, Gr
                 tier_bytes,
                 tier_capacity_bytes,
                 encrypt_tier,
+                silence_seconds,
             },
         )),
         other => bail!("the host daemon answered {other:?} to a registration"),
@@ -291,12 +291,6 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
             .file_name()
             .map_or_else(|| program.clone(), |n| n.to_string_lossy().into_owned())
     });
-    if a.host.is_some() && a.stats_interval > MAX_REPORT_INTERVAL {
-        bail!(
-            "--stats-interval {}s: under --host at most {MAX_REPORT_INTERVAL}s (the program reports to the daemon that often, and the daemon lets go of a tenant that stays silent)",
-            a.stats_interval
-        );
-    }
     // Under a host daemon: register first (a refusal ends here, before the program starts).
     let (mut link, grant) = match a
         .host
@@ -312,6 +306,15 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
                 pinned: a.pinned,
             };
             let (link, grant) = HostLink::register(&socket, reg)?;
+            // The program reports every --stats-interval: twice within the daemon's patience.
+            let patience = grant.silence_seconds;
+            if patience > 0.0 && a.stats_interval > patience / 2.0 {
+                bail!(
+                    "--stats-interval {}s: the host daemon lets go of a tenant that sends no report for {patience}s; give at most {}s",
+                    a.stats_interval,
+                    patience / 2.0
+                );
+            }
             (Some(link), Some(grant))
         }
         None => (None, None),

@@ -17,10 +17,11 @@
 //!   saturates, and terms whose minimums would not fit are refused;
 //! - hold the daemon: a member holds a bounded number of connections ([`gate::Limits`]), its
 //!   requests wait beyond a rate, a connection idle for [`HostConfig::silence`] is closed,
-//!   and a tenant that sends no report for as long leaves (its shares go back);
+//!   and a tenant that sends no accepted report for as long leaves (its shares go back);
 //! - claim what cannot be true: a report is checked ([`TenantReport::check`]) and bounded by
-//!   what its processes map (/proc, [`procs`]); the process it names must descend from the one
-//!   that connected;
+//!   what its processes hold (/proc, [`procs`]: DRAM by their resident memory, the tier by
+//!   their open tier files, activeness by both) and by the tier shares it was given; the
+//!   process it names must descend from the one that connected;
 //! - write into a terminal or a log: names are kept with their control characters written out.
 
 use std::collections::BTreeMap;
@@ -89,8 +90,11 @@ struct Tenant {
     uid: u32,
     /// The process that connected (the program descends from it).
     peer: u32,
-    /// What its processes map (/proc, each epoch): no report may claim to manage more.
-    mapped: u64,
+    /// What its processes hold (/proc, each epoch; `None`: not known, for an admin's tenant
+    /// whose process is in another pid namespace): no report may claim more.
+    usage: Option<procs::Usage>,
+    /// The largest tier share it was ever given: its engine's limit is never above it.
+    tier_granted: u64,
     pinned: bool,
     min: u64,
     max: Option<u64>,
@@ -139,6 +143,25 @@ impl Tenant {
                     .min(r.managed_bytes.saturating_sub(r.dram_bytes)),
             ),
             beyond_quota: self.demand().held.saturating_sub(pages(self.quota)),
+        }
+    }
+
+    /// The most its report can claim: what /proc shows its processes hold (a tenant's pages
+    /// in DRAM are resident, its pages in the tier are in its open tier files), and a tier
+    /// limit no larger than any share it was given.
+    fn bounds(&self, capacity: u64) -> protocol::Bounds {
+        let u = self.usage.unwrap_or(procs::Usage {
+            mapped: u64::MAX,
+            resident: u64::MAX,
+            tier_allocated: u64::MAX,
+            tier_length: u64::MAX,
+        });
+        protocol::Bounds {
+            managed: u.mapped,
+            dram: u.resident,
+            tier: u.tier_allocated,
+            tier_limit: self.tier_granted.max(self.tier),
+            tier_file: u.tier_length.min(capacity),
         }
     }
 
@@ -252,15 +275,22 @@ impl Host {
         Ok((min, max))
     }
 
-    /// Admits a tenant for the process `peer` of user `uid`, whose processes map `mapped`
-    /// bytes (`None`: not known).
+    /// Admits a tenant for the process `peer` of user `uid` (an admin or not), whose
+    /// processes hold `usage` (`None`: not in /proc), naming a program `pid_ok` says descends
+    /// from `peer`.
     fn register(
         &mut self,
         mut r: Registration,
-        uid: u32,
-        peer: u32,
-        mapped: Option<u64>,
+        who: (u32, u32, bool),
+        usage: Option<procs::Usage>,
+        pid_ok: bool,
     ) -> Result<u64, String> {
+        let (uid, peer, admin) = who;
+        if usage.is_none() && !admin {
+            return Err(
+                "cannot see the connecting process in /proc (another pid namespace?)".into(),
+            );
+        }
         if r.name.is_empty() || r.name.len() > protocol::MAX_NAME {
             return Err(format!(
                 "a tenant's name must be 1 to {} bytes",
@@ -269,7 +299,7 @@ impl Host {
         }
         r.name = protocol::printable(&r.name);
         (r.min_bytes, r.max_bytes) = self.check_terms(None, r.pinned, r.min_bytes, r.max_bytes)?;
-        if r.pid != peer && !procs::descends_from(r.pid, peer) {
+        if !pid_ok {
             r.pid = peer;
         }
         let id = self.next_id;
@@ -296,7 +326,8 @@ impl Host {
                 pid: r.pid,
                 uid,
                 peer,
-                mapped: mapped.unwrap_or(u64::MAX),
+                usage,
+                tier_granted: 0,
                 pinned: r.pinned,
                 min: r.min_bytes,
                 max: r.max_bytes,
@@ -326,23 +357,22 @@ impl Host {
         }
     }
 
-    /// Takes a tenant's figures, bounded by what its processes map; returns its quota and
-    /// tier share.
-    fn report(&mut self, id: u64, mut r: TenantReport) -> (u64, u64) {
-        let Some(t) = self.tenants.get_mut(&id) else {
-            return (0, 0);
-        };
+    /// Takes a tenant's figures, bounded by what its processes hold; `pid_ok`: the program
+    /// it names is the connecting process or below it (else the pid is not taken). Returns its
+    /// quota and tier share; `None` when it is no longer registered (it stopped reporting).
+    fn report(&mut self, id: u64, mut r: TenantReport, pid_ok: bool) -> Option<(u64, u64)> {
+        let capacity = self.cfg.tier_capacity_bytes;
+        let t = self.tenants.get_mut(&id)?;
         let now = Instant::now();
-        // The program is the connecting process or below it; another process is not taken.
-        if r.pid != 0 && r.pid != t.pid && procs::descends_from(r.pid, t.peer) {
+        if r.pid != 0 && pid_ok {
             t.pid = r.pid;
         }
         r.pid = t.pid;
-        r.bound(t.mapped, self.cfg.tier_capacity_bytes);
+        r.bound(&t.bounds(capacity));
         let old = std::mem::replace(&mut t.report, r);
         t.previous = Some((t.reported, old));
         t.reported = now;
-        (t.quota, t.tier)
+        Some((t.quota, t.tier))
     }
 
     fn change(&mut self, id: u64, c: &Change) -> Result<(), String> {
@@ -393,7 +423,9 @@ impl Host {
             .collect();
         let shares = share::split_tier(self.cfg.tier_capacity_bytes / PAGE_SIZE as u64, &tier);
         for (id, s) in ids.iter().zip(shares) {
-            self.tenants.get_mut(id).expect("tenant listed").tier = s * PAGE_SIZE as u64;
+            let t = self.tenants.get_mut(id).expect("tenant listed");
+            t.tier = s * PAGE_SIZE as u64;
+            t.tier_granted = t.tier_granted.max(t.tier);
         }
     }
 
@@ -430,41 +462,56 @@ impl Host {
         }
     }
 
-    /// The process each tenant connected from, to look up in /proc outside the lock.
-    pub fn peers(&self) -> Vec<(u64, u32)> {
-        self.tenants.iter().map(|(&id, t)| (id, t.peer)).collect()
+    /// The processes tenants connected from, to look up in /proc outside the lock.
+    pub fn peers(&self) -> Vec<u32> {
+        let mut p: Vec<u32> = self.tenants.values().map(|t| t.peer).collect();
+        p.sort_unstable();
+        p.dedup();
+        p
     }
 
-    /// Ends an epoch: takes what each tenant's processes map now (`mapped`, by tenant), splits
-    /// the budget again, logs changes of colour, keeps a sample.
-    pub fn epoch(&mut self, mapped: &[(u64, Option<u64>)]) {
-        for &(id, m) in mapped {
-            if let (Some(t), Some(m)) = (self.tenants.get_mut(&id), m) {
-                t.mapped = m;
+    /// Ends an epoch: lets go of tenants that sent no report for [`HostConfig::silence`],
+    /// takes what each tenant's processes hold now (`usage`, by connecting process; one no
+    /// longer there holds nothing), splits the budget again, logs changes of colour, keeps a
+    /// sample.
+    pub fn epoch(&mut self, usage: &[(u32, Option<procs::Usage>)]) {
+        let silence = self.cfg.silence;
+        let silent: Vec<u64> = self
+            .tenants
+            .iter()
+            .filter(|(_, t)| t.reported.elapsed() > silence)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in silent {
+            self.leave(id, "stopped reporting");
+        }
+        for t in self.tenants.values_mut() {
+            if let Some(&(_, u)) = usage.iter().find(|(p, _)| *p == t.peer) {
+                // An admin's tenant out of sight stays as it was; anyone else's holds nothing.
+                if u.is_some() || t.usage.is_some() {
+                    t.usage = Some(u.unwrap_or_default());
+                }
             }
         }
         self.rebalance();
         let s = self.status(None);
         self.health_events(&s);
+        // What the HTTP side may not show is not kept either.
+        let shown = match self.cfg.http_view {
+            HttpView::Tenants => s,
+            HttpView::Host => HostStatus {
+                tenants: Vec::new(),
+                ..s
+            },
+        };
         self.history
-            .record(self.started.elapsed().as_secs_f64(), &s);
+            .record(self.started.elapsed().as_secs_f64(), &shown);
     }
 
-    /// The last hour's samples as JSON, as the HTTP side may show them (for the dashboard).
+    /// The last hour's samples as JSON, as the HTTP side may show them (for the dashboard;
+    /// under [`HttpView::Host`] they hold no tenants).
     pub fn history_json(&self) -> String {
-        let points = self.history.points();
-        match self.cfg.http_view {
-            HttpView::Tenants => serde_json::to_string(&points.collect::<Vec<_>>()),
-            HttpView::Host => serde_json::to_string(
-                &points
-                    .map(|p| crate::history::Point {
-                        tenants: Vec::new(),
-                        ..p.clone()
-                    })
-                    .collect::<Vec<_>>(),
-            ),
-        }
-        .unwrap_or_default()
+        serde_json::to_string(&self.history.points().collect::<Vec<_>>()).unwrap_or_default()
     }
 
     /// The status as the HTTP side may show it ([`HttpView`]).
@@ -650,11 +697,11 @@ pub fn serve(listener: UnixListener, host: Shared) -> Result<()> {
                 std::thread::sleep(epoch);
                 // /proc is read outside the lock: tenants' reports do not wait for it.
                 let peers = host.lock().peers();
-                let mapped: Vec<(u64, Option<u64>)> = peers
+                let usage: Vec<(u32, Option<procs::Usage>)> = peers
                     .into_iter()
-                    .map(|(id, peer)| (id, procs::mapped_by(peer)))
+                    .map(|peer| (peer, procs::usage_of(peer)))
                     .collect();
-                host.lock().epoch(&mapped);
+                host.lock().epoch(&usage);
             })?;
     }
     let mut refused = Quiet::new(Duration::from_secs(10));
@@ -674,7 +721,8 @@ pub fn serve(listener: UnixListener, host: Shared) -> Result<()> {
             continue;
         };
         let admin = uid == 0 || uid == memtide_engine::sys::effective_uid();
-        if let Err(why) = host.gate().admit(uid, admin, Instant::now()) {
+        let admitted = host.gate().admit(uid, admin, Instant::now());
+        if let Err(why) = admitted {
             refused.log(format!("refused a connection of uid {uid}: {why}"));
             // One line, never waited on: the socket's buffer is empty.
             let _ = conn.set_nonblocking(true);
@@ -709,8 +757,8 @@ struct Peer {
     admin: bool,
 }
 
-/// Serves one connection until it closes, says nothing for [`HostConfig::silence`], or its
-/// tenant sends no report for as long; its tenant, if any, leaves with it.
+/// Serves one connection until it closes or says nothing for [`HostConfig::silence`]; its
+/// tenant, if any, leaves with it (one that stops reporting leaves at the next epoch).
 fn connection(conn: &UnixStream, host: &Shared, who: Peer) {
     let silence = host.lock().cfg.silence;
     // A client that stops reading cannot hold this thread for long either.
@@ -724,7 +772,6 @@ fn connection(conn: &UnixStream, host: &Shared, who: Peer) {
     let mut reader = BufReader::new(conn);
     let mut writer = conn;
     let mut mine: Option<u64> = None;
-    let mut reported = Instant::now();
     let why = loop {
         let line = match protocol::read_line(&mut reader, protocol::MAX_REQUEST) {
             Ok(Some(line)) => line,
@@ -743,20 +790,12 @@ fn connection(conn: &UnixStream, host: &Shared, who: Peer) {
         if !wait.is_zero() {
             std::thread::sleep(wait);
         }
-        if matches!(req, Ok(Request::Report(_))) {
-            reported = Instant::now();
-        } else if mine.is_some() && reported.elapsed() > silence {
-            break "stopped reporting";
-        }
         let resp = match req {
             Err(e) => Response::Error {
                 message: e.to_string(),
             },
             Ok(req) => answer(host, req, who, &mut mine),
         };
-        if mine.is_some() && matches!(resp, Response::Registered { .. }) {
-            reported = Instant::now();
-        }
         if writer
             .write_all(protocol::encode(&resp).as_bytes())
             .is_err()
@@ -771,10 +810,15 @@ fn connection(conn: &UnixStream, host: &Shared, who: Peer) {
 
 fn answer(host: &Shared, req: Request, who: Peer, mine: &mut Option<u64>) -> Response {
     let err = |m: String| Response::Error { message: m };
-    // What the tenant's processes map, read before the lock is taken.
-    let mapped = match &req {
-        Request::Register(_) if mine.is_none() => procs::mapped_by(who.pid),
-        _ => None,
+    // /proc is read before the lock is taken: what the tenant's processes hold, and whether
+    // the program it names is the connecting process or below it.
+    let (usage, pid_ok) = match &req {
+        Request::Register(r) if mine.is_none() => (
+            procs::usage_of(who.pid),
+            r.pid == who.pid || procs::descends_from(r.pid, who.pid),
+        ),
+        Request::Report(r) => (None, procs::descends_from(r.pid, who.pid)),
+        _ => (None, false),
     };
     let mut h = host.lock();
     match req {
@@ -782,7 +826,7 @@ fn answer(host: &Shared, req: Request, who: Peer, mine: &mut Option<u64>) -> Res
             if mine.is_some() {
                 return err("this connection already registered a tenant".into());
             }
-            match h.register(r, who.uid, who.pid, mapped) {
+            match h.register(r, (who.uid, who.pid, who.admin), usage, pid_ok) {
                 Ok(id) => {
                     *mine = Some(id);
                     Response::Registered {
@@ -792,6 +836,7 @@ fn answer(host: &Shared, req: Request, who: Peer, mine: &mut Option<u64>) -> Res
                         tier_bytes: h.tenants[&id].tier,
                         tier_capacity_bytes: h.cfg.tier_capacity_bytes,
                         encrypt_tier: h.cfg.encrypt_tier,
+                        silence_seconds: h.cfg.silence.as_secs_f64(),
                     }
                 }
                 Err(m) => err(m),
@@ -802,10 +847,17 @@ fn answer(host: &Shared, req: Request, who: Peer, mine: &mut Option<u64>) -> Res
                 if let Err(m) = r.check() {
                     return err(format!("report refused: {m}"));
                 }
-                let (quota_bytes, tier_bytes) = h.report(id, r);
-                Response::Quota {
-                    quota_bytes,
-                    tier_bytes: Some(tier_bytes),
+                match h.report(id, r, pid_ok) {
+                    Some((quota_bytes, tier_bytes)) => Response::Quota {
+                        quota_bytes,
+                        tier_bytes: Some(tier_bytes),
+                    },
+                    None => {
+                        *mine = None;
+                        err(format!(
+                            "tenant {id} is no longer registered (it stopped reporting): register again"
+                        ))
+                    }
                 }
             }
             None => err("register first".into()),
@@ -857,6 +909,7 @@ mod tests {
         })
     }
 
+    /// Registers a member's tenant from this process, whose figures nobody bounds yet.
     fn join(h: &mut Host, name: &str, min: u64, pinned: bool) -> Result<u64, String> {
         let me = std::process::id();
         h.register(
@@ -867,9 +920,14 @@ mod tests {
                 max_bytes: None,
                 pinned,
             },
-            1000,
-            me,
-            None,
+            (1000, me, false),
+            Some(procs::Usage {
+                mapped: u64::MAX,
+                resident: u64::MAX,
+                tier_allocated: u64::MAX,
+                tier_length: u64::MAX,
+            }),
+            true,
         )
     }
 
@@ -927,31 +985,40 @@ mod tests {
         let mut h = host(1 << 30);
         let honest = join(&mut h, "honest", 128 * MIB, false).unwrap();
         let liar = join(&mut h, "liar", 128 * MIB, false).unwrap();
-        h.tenants.get_mut(&liar).unwrap().mapped = 256 * MIB;
+        h.tenants.get_mut(&liar).unwrap().usage = Some(procs::Usage {
+            mapped: 1 << 40,
+            resident: 96 * MIB,
+            tier_allocated: 32 * MIB,
+            tier_length: 48 * MIB,
+        });
         let busy = TenantReport {
             managed_bytes: 512 * MIB,
             dram_bytes: 128 * MIB,
             active_bytes: 400 * MIB,
             ..TenantReport::default()
         };
-        h.report(honest, busy.clone());
-        h.report(honest, busy);
+        h.report(honest, busy.clone(), true);
+        h.report(honest, busy, true);
         let lie = TenantReport {
             managed_bytes: u64::MAX,
             dram_bytes: u64::MAX,
             tier_bytes: u64::MAX,
             tier_limit_bytes: u64::MAX,
+            tier_file_bytes: u64::MAX,
             active_bytes: u64::MAX,
             pid: 1,
             ..TenantReport::default()
         };
-        h.report(liar, lie.clone());
-        h.report(liar, lie);
+        h.report(liar, lie.clone(), false);
+        h.report(liar, lie, false);
         h.epoch(&[]);
         let t = &h.tenants[&liar];
-        assert_eq!(t.report.managed_bytes, 256 * MIB);
-        assert_eq!(t.report.active_bytes, 256 * MIB);
-        assert_eq!(t.report.tier_limit_bytes, h.cfg.tier_capacity_bytes);
+        assert_eq!(t.report.managed_bytes, 1 << 40);
+        assert_eq!(t.report.dram_bytes, 96 * MIB);
+        assert_eq!(t.report.tier_bytes, 32 * MIB);
+        assert_eq!(t.report.active_bytes, 128 * MIB, "resident + in the tier");
+        assert_eq!(t.report.tier_file_bytes, 48 * MIB);
+        assert!(t.report.tier_limit_bytes <= t.tier_granted);
         // pid 1 does not descend from this process: the pid stays the connecting one's.
         assert_eq!(t.pid, std::process::id());
         promises_hold(&h).unwrap();
@@ -980,6 +1047,53 @@ mod tests {
     }
 
     const MAX_BUCKETS_PLUS_ONE: usize = protocol::MAX_LATENCY_BUCKETS + 1;
+
+    #[test]
+    fn a_tenant_that_stops_reporting_leaves_at_the_epoch() {
+        let mut h = host(1 << 30);
+        h.cfg.silence = Duration::from_millis(50);
+        let quiet = join(&mut h, "quiet", 256 * MIB, false).unwrap();
+        let busy = join(&mut h, "busy", 64 * MIB, false).unwrap();
+        std::thread::sleep(Duration::from_millis(80));
+        assert!(h.report(busy, TenantReport::default(), true).is_some());
+        h.epoch(&[]);
+        assert!(
+            !h.tenants.contains_key(&quiet),
+            "its minimum is held for nothing"
+        );
+        assert!(h.tenants.contains_key(&busy));
+        assert_eq!(h.guaranteed(None), 64 * MIB);
+        // Its connection's next report is told, not answered with a quota of nothing.
+        assert!(h.report(quiet, TenantReport::default(), true).is_none());
+    }
+
+    #[test]
+    fn a_member_out_of_sight_in_proc_is_refused_and_a_gone_one_claims_nothing() {
+        let mut h = host(1 << 30);
+        let r = Registration {
+            name: "hidden".into(),
+            pid: 0,
+            min_bytes: 64 * MIB,
+            max_bytes: None,
+            pinned: false,
+        };
+        let e = h
+            .register(r.clone(), (1000, 0, false), None, false)
+            .unwrap_err();
+        assert!(e.contains("/proc"), "{e}");
+        // An admin's is taken, unbounded.
+        assert!(h.register(r, (0, 0, true), None, false).is_ok());
+        let gone = join(&mut h, "gone", 64 * MIB, false).unwrap();
+        let peer = h.tenants[&gone].peer;
+        h.epoch(&[(peer, None)]);
+        let big = TenantReport {
+            managed_bytes: 1 << 30,
+            active_bytes: 1 << 30,
+            ..TenantReport::default()
+        };
+        h.report(gone, big, true).unwrap();
+        assert_eq!(h.tenants[&gone].report.active_bytes, 0);
+    }
 
     #[test]
     fn names_keep_no_control_characters() {
@@ -1059,7 +1173,7 @@ mod tests {
                                 ..TenantReport::default()
                             };
                             if r.check().is_ok() {
-                                h.report(id, r);
+                                h.report(id, r, true);
                             }
                         }
                     }

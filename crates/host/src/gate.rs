@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 /// What a request to register or change terms costs, in tokens (each rebalances the host).
-pub const CHANGE_COST: f64 = 10.0;
+pub const CHANGE_COST: f64 = 16.0;
 
 #[derive(Clone, Copy, Debug)]
 pub struct Limits {
@@ -28,8 +28,9 @@ impl Default for Limits {
         Limits {
             connections: 256,
             per_user: 32,
-            rate: 20.0,
-            burst: 40.0,
+            // 32 tenants reporting every second fit, with room for status requests.
+            rate: 64.0,
+            burst: 128.0,
         }
     }
 }
@@ -180,11 +181,11 @@ mod tests {
         assert_eq!(g.take(7, false, 1.0, t0), Duration::from_millis(100));
         assert_eq!(
             g.take(7, false, CHANGE_COST, t0),
-            Duration::from_millis(1100)
+            Duration::from_millis(1700)
         );
         g.release(7, false, t0);
         g.admit(7, false, t0).unwrap();
-        assert_eq!(g.take(7, false, 1.0, t0), Duration::from_millis(1200));
+        assert_eq!(g.take(7, false, 1.0, t0), Duration::from_millis(1800));
         // Tokens come back with time.
         let later = t0 + Duration::from_secs(10);
         assert_eq!(g.take(7, false, 1.0, later), Duration::ZERO);

@@ -350,19 +350,27 @@ pub fn serve_http(addr: SocketAddr, routes: Routes) -> Result<SocketAddr> {
                     busy.fetch_sub(1, Ordering::AcqRel);
                     continue;
                 }
-                let (routes, b) = (routes.clone(), busy.clone());
-                let spawned = std::thread::Builder::new()
+                let (routes, slot) = (routes.clone(), Slot(busy.clone()));
+                // The slot is given back when the thread ends, however it ends (or when it
+                // could not start).
+                let _ = std::thread::Builder::new()
                     .name("memtide-http-client".into())
                     .spawn(move || {
+                        let _slot = slot;
                         answer(conn, &routes);
-                        b.fetch_sub(1, Ordering::AcqRel);
                     });
-                if spawned.is_err() {
-                    busy.fetch_sub(1, Ordering::AcqRel);
-                }
             }
         })?;
     Ok(bound)
+}
+
+/// One of the [`MAX_CLIENTS`] places, given back when dropped.
+struct Slot(Arc<AtomicUsize>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// A request as far as the server needs it.

@@ -1,37 +1,70 @@
 //! What /proc says of a tenant's processes, so that the daemon does not take a tenant's word
 //! for everything it reports: the process it names must be the one that connected or one of
-//! its descendants, and it cannot claim to manage more memory than its processes map. Entry
-//! points: [`mapped_by`], [`descends_from`].
+//! its descendants, and what it claims to hold is bounded by what its processes hold
+//! ([`Usage`]). Entry points: [`usage_of`], [`descends_from`].
 
 use std::collections::HashSet;
+use std::os::unix::fs::MetadataExt;
+
+use memtide_policy::PAGE_SIZE;
 
 /// Most processes followed below one tenant (a fork bomb is not followed to its end).
 const MAX_TREE: usize = 4096;
 
-/// Bytes of address space mapped by `root` and every process below it (their VmSize, summed);
-/// `None` when `root` is not there (0: its connection came from another pid namespace).
-pub fn mapped_by(root: u32) -> Option<u64> {
+/// Most parents followed up from a process.
+const MAX_DEPTH: usize = 64;
+
+/// Most descriptors looked at over one tenant's processes.
+const MAX_FDS: usize = 65536;
+
+/// What a tenant's processes hold, summed over the process that connected and every process
+/// below it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Address space (VmSize): an upper bound of the memory it manages.
+    pub mapped: u64,
+    /// Resident memory (RSS): an upper bound of its managed memory in DRAM.
+    pub resident: u64,
+    /// memtide tier files its processes hold open: blocks allocated (an upper bound of what
+    /// its tiers hold) and lengths.
+    pub tier_allocated: u64,
+    pub tier_length: u64,
+}
+
+/// What `root` and the processes below it hold; `None` when `root` is not there (0: its
+/// connection came from another pid namespace).
+pub fn usage_of(root: u32) -> Option<Usage> {
     if root == 0 {
         return None;
     }
-    let mut total = vm_size(root)?;
+    let mut u = Usage::default();
+    let (size, rss) = statm(root)?;
+    u.mapped = size;
+    u.resident = rss;
+    let mut files = HashSet::new();
+    let mut fds = 0;
+    tier_files(root, &mut u, &mut files, &mut fds);
     let mut seen = HashSet::from([root]);
     let mut todo = children(root);
     while let Some(pid) = todo.pop() {
         if seen.len() >= MAX_TREE || !seen.insert(pid) {
             continue;
         }
-        // A process that has just exited maps nothing.
-        total = total.saturating_add(vm_size(pid).unwrap_or(0));
+        // A process that has just exited holds nothing.
+        let (size, rss) = statm(pid).unwrap_or((0, 0));
+        u.mapped = u.mapped.saturating_add(size);
+        u.resident = u.resident.saturating_add(rss);
+        tier_files(pid, &mut u, &mut files, &mut fds);
         todo.extend(children(pid));
     }
-    Some(total)
+    Some(u)
 }
 
-/// Whether `pid` is `root` or below it (following parents in /proc/PID/stat).
+/// Whether `pid` is `root` or below it (following parents in /proc/PID/stat, at most
+/// [`MAX_DEPTH`] of them).
 pub fn descends_from(pid: u32, root: u32) -> bool {
     let mut at = pid;
-    for _ in 0..MAX_TREE {
+    for _ in 0..MAX_DEPTH {
         if at == root {
             return true;
         }
@@ -43,11 +76,44 @@ pub fn descends_from(pid: u32, root: u32) -> bool {
     false
 }
 
-/// VmSize of `pid` in bytes (the first field of /proc/PID/statm, in pages).
-fn vm_size(pid: u32) -> Option<u64> {
+/// VmSize and RSS of `pid` in bytes (the first two fields of /proc/PID/statm, in pages).
+fn statm(pid: u32) -> Option<(u64, u64)> {
     let statm = std::fs::read_to_string(format!("/proc/{pid}/statm")).ok()?;
-    let pages: u64 = statm.split_whitespace().next()?.parse().ok()?;
-    Some(pages.saturating_mul(memtide_policy::PAGE_SIZE as u64))
+    let mut f = statm
+        .split_whitespace()
+        .map(|v| v.parse::<u64>().map(|p| p.saturating_mul(PAGE_SIZE as u64)));
+    Some((f.next()?.ok()?, f.next()?.ok()?))
+}
+
+/// Adds the memtide tier files `pid` holds open (unlinked files named `memtide-*.tier`),
+/// each file once however many descriptors name it.
+fn tier_files(pid: u32, u: &mut Usage, files: &mut HashSet<(u64, u64)>, fds: &mut usize) {
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return;
+    };
+    for fd in dir.flatten() {
+        *fds += 1;
+        if *fds > MAX_FDS {
+            return;
+        }
+        let Ok(target) = std::fs::read_link(fd.path()) else {
+            continue;
+        };
+        let name = target.to_string_lossy();
+        let Some(file) = name.rsplit('/').next() else {
+            continue;
+        };
+        if !(file.starts_with("memtide-") && file.ends_with(".tier (deleted)")) {
+            continue;
+        }
+        // Through the descriptor: the file itself, not a name anyone could put there.
+        if let Ok(m) = std::fs::metadata(fd.path()) {
+            if m.is_file() && files.insert((m.dev(), m.ino())) {
+                u.tier_allocated = u.tier_allocated.saturating_add(m.blocks() * 512);
+                u.tier_length = u.tier_length.saturating_add(m.len());
+            }
+        }
+    }
 }
 
 /// The children of every thread of `pid`.
@@ -79,10 +145,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_child_descends_and_its_mapping_counts() {
+    fn a_child_descends_and_what_it_holds_counts() {
         let me = std::process::id();
-        let alone = mapped_by(me).expect("this process is in /proc");
-        assert!(alone > 0);
+        let alone = usage_of(me).expect("this process is in /proc");
+        assert!(alone.mapped > 0 && alone.resident > 0);
+        assert!(alone.resident <= alone.mapped);
+        // A tier file held open, unlinked, with 1 MiB allocated.
+        let dir = std::env::temp_dir().join(format!("memtide-procs-{me}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(format!("memtide-{me}.tier"));
+        let f = std::fs::File::create(&path).unwrap();
+        std::os::unix::fs::FileExt::write_all_at(&f, &vec![7u8; 1 << 20], 0).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let _twice = f.try_clone().unwrap();
         let mut child = std::process::Command::new("sleep")
             .arg("30")
             .spawn()
@@ -91,13 +166,15 @@ mod tests {
         assert!(descends_from(pid, me));
         assert!(!descends_from(me, pid));
         assert!(!descends_from(1, me));
-        let with_child = mapped_by(me).unwrap();
-        assert!(
-            with_child >= alone + vm_size(pid).unwrap(),
-            "{with_child} < {alone} + the child's"
-        );
+        let with = usage_of(me).unwrap();
+        let (size, _) = statm(pid).unwrap();
+        assert!(with.mapped >= alone.mapped + size, "{with:?} {alone:?}");
+        assert_eq!(with.tier_length, 1 << 20, "one file, counted once");
+        assert!(with.tier_allocated >= 1 << 20);
         child.kill().unwrap();
         child.wait().unwrap();
-        assert_eq!(mapped_by(0), None);
+        drop(f);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(usage_of(0), None);
     }
 }

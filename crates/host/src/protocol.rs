@@ -19,7 +19,7 @@ pub const MAX_ANSWER: usize = 64 << 20;
 /// Most tier-read latency buckets a report may carry (the engine sends 11).
 pub const MAX_LATENCY_BUCKETS: usize = 64;
 
-/// Longest tenant name, in bytes.
+/// Longest tenant name, in bytes, as sent (before [`printable`] writes out what it hides).
 pub const MAX_NAME: usize = 200;
 
 /// A client's request.
@@ -175,27 +175,49 @@ impl TenantReport {
         Ok(())
     }
 
-    /// Bounds the figures that measure memory by what the tenant manages, and that by
-    /// `managed_max` (what its processes map, as /proc shows it): nothing is active, in DRAM or
-    /// in the tier beyond what is managed, and no tier limit or file beyond `tier_max`.
-    pub fn bound(&mut self, managed_max: u64, tier_max: u64) {
-        self.managed_bytes = self.managed_bytes.min(managed_max);
+    /// Bounds the figures by what the daemon knows without the tenant's word (`b`) and by one
+    /// another: nothing is in DRAM or the tier beyond what is managed, and a page is active
+    /// only where it is, in DRAM or in the tier.
+    pub fn bound(&mut self, b: &Bounds) {
+        self.managed_bytes = self.managed_bytes.min(b.managed);
         let m = self.managed_bytes;
-        self.dram_bytes = self.dram_bytes.min(m);
-        self.active_bytes = self.active_bytes.min(m);
-        self.tier_bytes = self.tier_bytes.min(m);
-        self.tier_limit_bytes = self.tier_limit_bytes.min(tier_max);
-        self.tier_file_bytes = self.tier_file_bytes.min(tier_max);
+        self.dram_bytes = self.dram_bytes.min(m).min(b.dram);
+        self.tier_bytes = self.tier_bytes.min(m).min(b.tier);
+        self.active_bytes = self.active_bytes.min(m).min(b.dram.saturating_add(b.tier));
+        self.tier_limit_bytes = self.tier_limit_bytes.min(b.tier_limit);
+        self.tier_file_bytes = self.tier_file_bytes.min(b.tier_file);
     }
 }
 
-/// `name` with every control character written out (`\u{1b}`), so that printing it to a
-/// terminal or a log cannot move the cursor, change colours or forge a line.
+/// The most each figure of a tenant's report can be, from what the daemon knows without its
+/// word (/proc, and the tier shares it gave).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Bounds {
+    pub managed: u64,
+    pub dram: u64,
+    pub tier: u64,
+    pub tier_limit: u64,
+    pub tier_file: u64,
+}
+
+/// `name` with every control and invisible formatting character written out (`\u{1b}`,
+/// `\u{202e}`) and backslashes doubled, so that printing it to a terminal or a log cannot
+/// move the cursor, change colours, reorder text or forge a line, nor pass for an escape.
 pub fn printable(name: &str) -> String {
+    let hidden = |c: char| {
+        c.is_control()
+            || matches!(c, '\u{ad}' | '\u{61c}' | '\u{180e}' | '\u{feff}')
+            || ('\u{200b}'..='\u{200f}').contains(&c)
+            || ('\u{202a}'..='\u{202e}').contains(&c)
+            || ('\u{2060}'..='\u{206f}').contains(&c)
+            || ('\u{fff9}'..='\u{fffb}').contains(&c)
+    };
     name.chars()
         .map(|c| {
-            if c.is_control() {
-                c.escape_default().to_string()
+            if c == '\\' {
+                "\\\\".to_string()
+            } else if hidden(c) {
+                c.escape_unicode().to_string()
             } else {
                 c.to_string()
             }
@@ -257,6 +279,9 @@ pub enum Response {
         /// The host encrypts every tenant's tier pages.
         #[serde(default)]
         encrypt_tier: bool,
+        /// A tenant that sends no report for this long leaves (0: not said).
+        #[serde(default)]
+        silence_seconds: f64,
     },
     Quota {
         quota_bytes: u64,
@@ -442,6 +467,17 @@ mod tests {
     }
 
     #[test]
+    fn names_print_as_what_they_are() {
+        assert_eq!(printable("redis-6379"), "redis-6379");
+        assert_eq!(printable("a\x1b[2Jb\n"), "a\\u{1b}[2Jb\\u{a}");
+        // Right-to-left override, zero-width space: shown, not obeyed.
+        assert_eq!(printable("x\u{202e}y\u{200b}"), "x\\u{202e}y\\u{200b}");
+        // A name that spells an escape cannot pass for one.
+        assert_eq!(printable("a\\u{1b}"), "a\\\\u{1b}");
+        assert_eq!(printable("ünïcödé 名前"), "ünïcödé 名前");
+    }
+
+    #[test]
     fn long_lines_are_refused_and_the_stream_goes_on() {
         let mut input = vec![b'x'; MAX_REQUEST + 10];
         input.push(b'\n');
@@ -518,12 +554,21 @@ mod tests {
                     prop_assert!(us.is_finite() && (0.0..=top).contains(&us), "{us} beyond {top}");
                 }
             }
-            r.bound(figures[0] / 2, 1 << 40);
-            prop_assert!(r.managed_bytes <= figures[0] / 2);
+            let b = Bounds {
+                managed: figures[0] / 2,
+                dram: figures[1] / 3,
+                tier: figures[3] / 3,
+                tier_limit: 1 << 40,
+                tier_file: 1 << 41,
+            };
+            r.bound(&b);
+            prop_assert!(r.managed_bytes <= b.managed);
             for v in [r.dram_bytes, r.active_bytes, r.tier_bytes] {
                 prop_assert!(v <= r.managed_bytes);
             }
-            prop_assert!(r.tier_limit_bytes <= 1 << 40);
+            prop_assert!(r.dram_bytes <= b.dram && r.tier_bytes <= b.tier);
+            prop_assert!(r.active_bytes <= b.dram + b.tier);
+            prop_assert!(r.tier_limit_bytes <= b.tier_limit && r.tier_file_bytes <= b.tier_file);
         }
 
         /// JSON-shaped junk: valid JSON that is not a request is refused, not taken.
