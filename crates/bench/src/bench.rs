@@ -796,15 +796,8 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
         let pct = a.budgets[i];
         for &policy in &a.policy {
             for &faults in &a.faults {
-                let mut name = format!("memtide {pct:.0}%");
-                if faults == memtide_engine::Delivery::Signal {
-                    name.push_str(" sig");
-                }
-                if policy == memtide_engine::EvictionPolicy::Placement {
-                    name.push_str(" placement");
-                }
                 configs.push((
-                    name,
+                    format!("memtide {pct:.0}%{}", variant(faults, policy)),
                     pct / 100.0,
                     Placement::Memtide {
                         dram: b,
@@ -876,6 +869,22 @@ pub fn swap_peer(config: &str, budget: f64) -> Option<String> {
     config
         .starts_with("memtide ")
         .then(|| format!("Linux swap {:.0}%", budget * 100.0))
+}
+
+/// What sets a memtide configuration apart in its name: nothing for the default delivery and
+/// policy, " sig" for SIGBUS delivery, " placement" for placement.
+pub(crate) fn variant(
+    faults: memtide_engine::Delivery,
+    policy: memtide_engine::EvictionPolicy,
+) -> String {
+    let mut name = String::new();
+    if faults == memtide_engine::Delivery::Signal {
+        name.push_str(" sig");
+    }
+    if policy == memtide_engine::EvictionPolicy::Placement {
+        name.push_str(" placement");
+    }
+    name
 }
 
 /// Every configuration of a run (name, DRAM budget as a fraction, placement, zswap on), and

@@ -198,7 +198,7 @@ pub(crate) struct Fit {
     pub killed: usize,
 }
 
-/// Says how many tenants (`what`: "tenants", "guests") each placement but all-DRAM fits
+/// Says how many tenants (`what`: "tenants", "guests") each of `configs` (all but all-DRAM) fits
 /// within 10% and 5% loss — the most at which the slowest kept the bar and none was killed,
 /// at every smaller count too — against the `fits` all-DRAM holds, and plots the slowest
 /// tenant per count to `plot`.
@@ -206,18 +206,17 @@ pub(crate) fn report_fits(
     what: &str,
     fits: usize,
     counts: &[usize],
-    families: &[Family],
+    configs: &[String],
     rows: &[Fit],
     title: String,
     plot: &Path,
 ) -> Result<Vec<Density>> {
-    let most_within = |f: Family, bar: f64| -> Option<usize> {
+    let most_within = |config: &str, bar: f64| -> Option<usize> {
         let mut best = None;
         for &n in counts {
-            let r = rows
-                .iter()
-                .find(|r| r.n == n && r.config == f.name())
-                .expect("row per count");
+            let Some(r) = rows.iter().find(|r| r.n == n && r.config == config) else {
+                break;
+            };
             // A tenant killed in any repetition did not fit, whatever the median says.
             if r.worst_vs_dram >= bar && r.killed == 0 {
                 best = Some(n);
@@ -242,11 +241,11 @@ pub(crate) fn report_fits(
         Some(n) => format!("{n} {what} (all-DRAM fits none)"),
     };
     let mut densities = Vec::new();
-    for &f in families.iter().filter(|&&f| f != Family::Dram) {
+    for c in configs {
         let d = Density {
-            config: f.name().into(),
-            at_10_percent_loss: most_within(f, 0.90),
-            at_5_percent_loss: most_within(f, 0.95),
+            config: c.clone(),
+            at_10_percent_loss: most_within(c, 0.90),
+            at_5_percent_loss: most_within(c, 0.95),
         };
         println!(
             "{}: at most 10% loss {}; at most 5% loss {}.",
@@ -264,14 +263,13 @@ pub(crate) fn report_fits(
         y_range: Some((0.0, 1.1)),
         x_percent: false,
         y_percent: false,
-        series: families
+        series: configs
             .iter()
-            .filter(|&&f| f != Family::Dram)
-            .map(|&f| crate::plot::Series {
-                name: f.name().into(),
+            .map(|c| crate::plot::Series {
+                name: c.clone(),
                 points: rows
                     .iter()
-                    .filter(|r| r.config == f.name())
+                    .filter(|r| &r.config == c)
                     .map(|r| (r.n as f64, r.worst_vs_dram))
                     .collect(),
             })
@@ -431,7 +429,11 @@ pub fn density(a: &BenchArgs, host: &Host) -> Result<serde_json::Value> {
         "tenants",
         fits,
         &a.tenants,
-        &families,
+        &families
+            .iter()
+            .filter(|&&f| f != Family::Dram)
+            .map(|f| f.name().to_string())
+            .collect::<Vec<_>>(),
         &fit_rows,
         format!(
             "memtide bench: density, tenants of {} sharing {} of DRAM",

@@ -20,7 +20,7 @@ use memtide_engine::launch::{die_with_parent, StatsDir};
 use memtide_engine::size::format as bytes;
 use serde::Serialize;
 
-use crate::bench::BenchArgs;
+use crate::bench::{config_width, variant, BenchArgs};
 use crate::demo::Placement;
 use crate::report::{median, step_label};
 use crate::tenants::{report_fits, Family, Fit, Host};
@@ -261,8 +261,64 @@ struct GuestRun {
     tier_read_bytes: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     tier_write_bytes: Option<u64>,
+    /// memtide only, over the whole run: faults served from tier 1 and their latency (the
+    /// fault's, read and mapping included, as the guest's vCPU waited for it), and hint faults
+    /// (a touch of a page memtide had unmapped but kept in DRAM).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tier_faults: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tier_fault_p50_us: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tier_fault_p99_us: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    hint_faults: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     failed: Option<String>,
+}
+
+/// How the guests of one run are placed: all-DRAM, memtide with one policy and delivery, or
+/// Linux swap.
+#[derive(Clone, Debug)]
+struct VmConfig {
+    name: String,
+    family: Family,
+    faults: memtide_engine::Delivery,
+    policy: memtide_engine::EvictionPolicy,
+}
+
+/// Every configuration: all-DRAM, memtide for each `--policy` and `--faults` (SIGBUS delivery
+/// only under TCG: KVM reads guest memory from the kernel, which SIGBUS delivery fails with
+/// EFAULT), and Linux swap where the machine allows it.
+fn configs(a: &BenchArgs, host: &Host, accel: Accel) -> Vec<VmConfig> {
+    let mut out = Vec::new();
+    for family in Family::all(host) {
+        if family != Family::Memtide {
+            out.push(VmConfig {
+                name: family.name().into(),
+                family,
+                faults: memtide_engine::Delivery::Threads,
+                policy: Default::default(),
+            });
+            continue;
+        }
+        for &policy in &a.policy {
+            for &faults in &a.faults {
+                if faults == memtide_engine::Delivery::Signal && accel == Accel::Kvm {
+                    continue;
+                }
+                let name = format!("memtide{}", variant(faults, policy));
+                if !out.iter().any(|c: &VmConfig| c.name == name) {
+                    out.push(VmConfig {
+                        name,
+                        family,
+                        faults,
+                        policy,
+                    });
+                }
+            }
+        }
+    }
+    out
 }
 
 /// The rate in a guest's final line ("... achieved 199997/s (100.0% of the rate)").
@@ -280,17 +336,18 @@ fn achieved(lines: &[String]) -> Option<f64> {
         .ok()
 }
 
-/// Runs `n` guests side by side in `family`'s placement, each with `share` of the host's DRAM.
+/// Runs `n` guests side by side placed as `config` says, each with `share` of the host's DRAM.
 /// A guest that fails under all-DRAM or memtide fails the experiment; one Linux kills in its
 /// cgroup is a result.
 fn run_guests(
-    family: Family,
+    config: &VmConfig,
     host: &Host,
     g: &Guests,
     a: &BenchArgs,
     n: usize,
     share: u64,
 ) -> Result<Vec<GuestRun>> {
+    let family = config.family;
     let mut procs: Vec<Option<PathBuf>> = Vec::new();
     for i in 0..n {
         procs.push(match (family, host.cgroups) {
@@ -319,8 +376,8 @@ fn run_guests(
                             dram: share - QEMU_OWN,
                             tier: host.tier,
                             preload: host.preload,
-                            faults: memtide_engine::Delivery::Threads,
-                            policy: memtide_engine::EvictionPolicy::default(),
+                            faults: config.faults,
+                            policy: config.policy,
                         },
                         (Family::Swap, Some(p)) => Placement::Cgroup { procs: p },
                         _ => Placement::Dram,
@@ -343,6 +400,14 @@ fn run_guests(
                             cpu_seconds: c.cpu_seconds,
                             tier_read_bytes: memtide.as_ref().map(|m| m.tier_read_bytes),
                             tier_write_bytes: memtide.as_ref().map(|m| m.tier_write_bytes),
+                            tier_faults: memtide.as_ref().map(|m| m.faults_tier),
+                            tier_fault_p50_us: memtide
+                                .as_ref()
+                                .map(|m| m.fault_tier_latency_p50_us),
+                            tier_fault_p99_us: memtide
+                                .as_ref()
+                                .map(|m| m.fault_tier_latency_p99_us),
+                            hint_faults: memtide.as_ref().map(|m| m.faults_inactive),
                             failed: None,
                         }),
                         None => Err(anyhow!(
@@ -378,9 +443,13 @@ fn run_guests(
                 cpu_seconds: 0.0,
                 tier_read_bytes: None,
                 tier_write_bytes: None,
+                tier_faults: None,
+                tier_fault_p50_us: None,
+                tier_fault_p99_us: None,
+                hint_faults: None,
                 failed: Some(format!("{e:#}")),
             }),
-            Err(e) => bail!("{}: {e:#}", family.name()),
+            Err(e) => bail!("{}: {e:#}", config.name),
         }
     }
     Ok(runs)
@@ -412,6 +481,14 @@ struct VmRow {
     peak_rss_sum: f64,
     /// Median of the guests' faults that waited for the device (whole run).
     device_faults: f64,
+    /// memtide only, medians over the guests (whole run): each guest's tier-fault p50 and
+    /// p99, its hint faults.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tier_fault_p50_us: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tier_fault_p99_us: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    hint_faults: Option<f64>,
     killed: usize,
 }
 
@@ -424,22 +501,27 @@ pub fn vms(a: &BenchArgs, host: &Host, g: &Guests) -> Result<serde_json::Value> 
         a.guest_rate / 1e3,
         bytes(a.vm_dram)
     );
-    let families = Family::all(host);
-    let total = a.guest_reps() * a.guests.len() * families.len();
+    let configs = configs(a, host, g.accel);
+    if g.accel == Accel::Kvm && a.faults.contains(&memtide_engine::Delivery::Signal) {
+        eprintln!(
+            "vms: no SIGBUS delivery under KVM (KVM reads guest memory from the kernel, which it would fail)"
+        );
+    }
+    let total = a.guest_reps() * a.guests.len() * configs.len();
     let started = Instant::now();
     let mut records: Vec<VmRun> = Vec::new();
     for rep in 0..a.guest_reps() {
         for &n in &a.guests {
             let share = (a.vm_dram / n as u64) / (1 << 20) * (1 << 20);
-            for &family in &families {
+            for config in &configs {
                 if crate::bench::interrupted() {
                     bail!("interrupted; settings restored");
                 }
                 let label = format!(
                     "{} vms {n} guests {}{}",
                     step_label(records.len(), total, started),
-                    family.name(),
-                    match family {
+                    config.name,
+                    match config.family {
                         Family::Dram => String::new(),
                         Family::Memtide => format!(
                             ", {} of DRAM each ({} for guest RAM)",
@@ -450,7 +532,7 @@ pub fn vms(a: &BenchArgs, host: &Host, g: &Guests) -> Result<serde_json::Value> 
                     }
                 );
                 eprintln!("{label}: running");
-                let runs = run_guests(family, host, g, a, n, share)?;
+                let runs = run_guests(config, host, g, a, n, share)?;
                 let tp: Vec<f64> = runs.iter().map(|r| r.achieved.unwrap_or(0.0)).collect();
                 let killed = runs.iter().filter(|r| r.failed.is_some()).count();
                 eprintln!(
@@ -465,7 +547,7 @@ pub fn vms(a: &BenchArgs, host: &Host, g: &Guests) -> Result<serde_json::Value> 
                 );
                 records.push(VmRun {
                     guests: n,
-                    config: family.name().into(),
+                    config: config.name.clone(),
                     rep,
                     share,
                     runs,
@@ -474,11 +556,22 @@ pub fn vms(a: &BenchArgs, host: &Host, g: &Guests) -> Result<serde_json::Value> 
         }
     }
 
-    let of = |n: usize, f: Family| {
+    let of = |n: usize, name: &str| {
+        let name = name.to_string();
         records
             .iter()
-            .filter(move |r| r.guests == n && r.config == f.name())
+            .filter(move |r| r.guests == n && r.config == name)
     };
+    // The median over the guests that gave a result of a figure memtide's guests have.
+    let per_guest = |n: usize, name: &str, f: fn(&GuestRun) -> Option<f64>| -> Option<f64> {
+        let v: Vec<f64> = of(n, name)
+            .flat_map(|r| r.runs.iter())
+            .filter(|t| t.failed.is_none())
+            .filter_map(f)
+            .collect();
+        (!v.is_empty()).then(|| median(v))
+    };
+    let width = config_width(configs.iter().map(|c| c.name.as_str()));
     let worst = |r: &VmRun| {
         r.runs
             .iter()
@@ -489,7 +582,7 @@ pub fn vms(a: &BenchArgs, host: &Host, g: &Guests) -> Result<serde_json::Value> 
     let mut rows = Vec::new();
     println!();
     println!(
-        "{:>6} {:<11} {:>10} {:>13} {:>13} {:>12} {:>13} {:>14}",
+        "{:>6} {:<width$} {:>10} {:>13} {:>13} {:>12} {:>13} {:>14} {:>17} {:>12}",
         "guests",
         "config",
         "DRAM each",
@@ -497,36 +590,41 @@ pub fn vms(a: &BenchArgs, host: &Host, g: &Guests) -> Result<serde_json::Value> 
         "median/DRAM",
         "slowest k/s",
         "peak RSS sum",
-        "device faults"
+        "device faults",
+        "tier fault p50/99",
+        "hint faults"
     );
     for &n in &a.guests {
-        let reference = median(of(n, Family::Dram).map(mid).collect());
-        for &f in &families {
+        let reference = median(of(n, "all-DRAM").map(mid).collect());
+        for c in &configs {
+            let name = c.name.as_str();
             let row = VmRow {
                 guests: n,
-                config: f.name().into(),
-                share: (f != Family::Dram).then(|| of(n, f).next().map_or(0, |r| r.share)),
-                worst_vs_dram: median(of(n, f).map(worst).collect()) / reference,
-                median_vs_dram: median(of(n, f).map(mid).collect()) / reference,
-                slowest: median(of(n, f).map(worst).collect()),
+                config: c.name.clone(),
+                share: (c.family != Family::Dram)
+                    .then(|| of(n, name).next().map_or(0, |r| r.share)),
+                worst_vs_dram: median(of(n, name).map(worst).collect()) / reference,
+                median_vs_dram: median(of(n, name).map(mid).collect()) / reference,
+                slowest: median(of(n, name).map(worst).collect()),
                 peak_rss_sum: median(
-                    of(n, f)
+                    of(n, name)
                         .map(|r| r.runs.iter().map(|t| t.peak_rss as f64).sum())
                         .collect(),
                 ),
-                device_faults: median(
-                    of(n, f)
-                        .flat_map(|r| r.runs.iter())
-                        .filter(|t| t.failed.is_none())
-                        .map(|t| t.device_faults as f64)
-                        .collect(),
-                ),
-                killed: of(n, f)
+                device_faults: per_guest(n, name, |t| Some(t.device_faults as f64)).unwrap_or(0.0),
+                tier_fault_p50_us: per_guest(n, name, |t| t.tier_fault_p50_us),
+                tier_fault_p99_us: per_guest(n, name, |t| t.tier_fault_p99_us),
+                hint_faults: per_guest(n, name, |t| t.hint_faults.map(|h| h as f64)),
+                killed: of(n, name)
                     .map(|r| r.runs.iter().filter(|t| t.failed.is_some()).count())
                     .sum(),
             };
+            let latency = match (row.tier_fault_p50_us, row.tier_fault_p99_us) {
+                (Some(p50), Some(p99)) => format!("{p50:.0}/{p99:.0} µs"),
+                _ => "-".into(),
+            };
             println!(
-                "{:>6} {:<11} {:>10} {:>12.3}x {:>12.3}x {:>12.0} {:>13} {:>14.0}{}",
+                "{:>6} {:<width$} {:>10} {:>12.3}x {:>12.3}x {:>12.0} {:>13} {:>14.0} {:>17} {:>12}{}",
                 n,
                 row.config,
                 row.share.map_or("unlimited".into(), bytes),
@@ -535,7 +633,9 @@ pub fn vms(a: &BenchArgs, host: &Host, g: &Guests) -> Result<serde_json::Value> 
                 row.slowest / 1e3,
                 bytes(row.peak_rss_sum as u64),
                 row.device_faults,
-                match (f, row.killed) {
+                latency,
+                row.hint_faults.map_or("-".into(), |h| format!("{h:.0}")),
+                match (c.family, row.killed) {
                     (Family::Dram, _) if n > fits => "  (would not fit: reference only)".into(),
                     (_, 0) => String::new(),
                     (_, k) => format!("  ({k} guest runs gave no result)"),
@@ -545,6 +645,9 @@ pub fn vms(a: &BenchArgs, host: &Host, g: &Guests) -> Result<serde_json::Value> 
         }
     }
     println!();
+    println!(
+        "Faults are per guest over the whole run (boot, fill, load), medians over the guests; \"sig\": faults served in the faulting vCPU thread (SIGBUS) instead of by handler threads."
+    );
     println!(
         "all-DRAM fits {fits} guest{} of {} in {}; memtide's budget per guest is its share less {} for QEMU's own memory, which memtide does not manage.",
         if fits == 1 { "" } else { "s" },
@@ -565,7 +668,11 @@ pub fn vms(a: &BenchArgs, host: &Host, g: &Guests) -> Result<serde_json::Value> 
         "guests",
         fits,
         &a.guests,
-        &families,
+        &configs
+            .iter()
+            .filter(|c| c.family != Family::Dram)
+            .map(|c| c.name.clone())
+            .collect::<Vec<_>>(),
         &fit_rows,
         format!(
             "memtide bench: VM density, guests of {} sharing {} of DRAM",

@@ -334,6 +334,10 @@ fn short_vm_density_run_reports_every_guest() {
             "2",
             "--reps",
             "1",
+            "--policy",
+            "clock,placement",
+            "--faults",
+            "threads,signal",
         ],
     );
     assert!(out.contains("all-DRAM fits 1 guest of 1.00 GiB"), "{out}");
@@ -344,17 +348,35 @@ fn short_vm_density_run_reports_every_guest() {
         .iter()
         .map(|r| (r["guests"].as_u64().unwrap(), r["config"].as_str().unwrap()))
         .collect();
-    assert_eq!(
-        shape,
-        [
-            (1, "all-DRAM"),
-            (1, "memtide"),
-            (1, "Linux swap"),
-            (2, "all-DRAM"),
-            (2, "memtide"),
-            (2, "Linux swap")
-        ]
-    );
+    // Every policy and delivery asked for (SIGBUS delivery only under TCG, as here).
+    assert_eq!(d["accel"], "Tcg");
+    let configs = [
+        "all-DRAM",
+        "memtide",
+        "memtide sig",
+        "memtide placement",
+        "memtide sig placement",
+        "Linux swap",
+    ];
+    let want: Vec<(u64, &str)> = [1, 2]
+        .iter()
+        .flat_map(|&n| configs.iter().map(move |&c| (n, c)))
+        .collect();
+    assert_eq!(shape, want);
+    for r in rows {
+        let c = r["config"].as_str().unwrap();
+        if c.starts_with("memtide") && r["guests"] == 2 {
+            // Each memtide configuration says what its faults cost and how many there were.
+            let p50 = r["tier_fault_p50_us"].as_f64().unwrap();
+            let p99 = r["tier_fault_p99_us"].as_f64().unwrap();
+            assert!(p50 > 0.0 && p99 >= p50, "{r}");
+            assert!(r["device_faults"].as_f64().unwrap() > 0.0, "{r}");
+            assert!(r["hint_faults"].as_f64().is_some(), "{r}");
+        } else if !c.starts_with("memtide") {
+            assert!(r.get("tier_fault_p50_us").is_none(), "{r}");
+        }
+    }
+    assert!(out.contains("tier fault p50/99"), "{out}");
     const MIB: u64 = 1 << 20;
     for run in d["runs"].as_array().unwrap() {
         let guests = run["runs"].as_array().unwrap();
@@ -373,7 +395,7 @@ fn short_vm_density_run_reports_every_guest() {
             // Every guest reported its rate, and a paced guest never beats its load.
             let rate = g["achieved"].as_f64().unwrap();
             assert!(rate > 0.0 && rate <= 100_000.0 * 1.02, "{run}");
-            if run["config"] == "memtide" {
+            if run["config"].as_str().unwrap().starts_with("memtide") {
                 let share = run["share"].as_u64().unwrap();
                 // memtide held guest RAM to the share less QEMU's own memory: QEMU stayed
                 // within the share (with 32 MiB of slack for its own memory's variation).
@@ -396,8 +418,10 @@ fn short_vm_density_run_reports_every_guest() {
         .iter()
         .map(|x| x["config"].as_str().unwrap())
         .collect();
-    assert_eq!(names, ["memtide", "Linux swap"]);
+    assert_eq!(names, configs[1..]);
     let svg = std::fs::read_to_string(s.path().join("plot-vms.svg")).unwrap();
-    assert!(svg.contains("memtide") && svg.contains("Linux swap"));
+    for c in &configs[1..] {
+        assert!(svg.contains(c), "{c} not in the plot");
+    }
     assert_restored(&zswap, &swaps_before, s.path());
 }
