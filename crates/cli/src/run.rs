@@ -419,6 +419,10 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     let child_pid = child.id();
     forward_signals(child_pid);
     let done = Arc::new(AtomicBool::new(false));
+    // What memtide says from inside the program's processes, printed here (never into the
+    // program's own stderr).
+    let relay = Arc::new(Mutex::new(memtide_engine::say::Relay::new(&stats_dir.0)));
+    let quiet = a.quiet;
     // Poll the stats files while the program runs: for --stats, and so that the summary can
     // judge coverage at peak rather than after the program freed its memory. Under a host
     // daemon, report to it and pass its quota on.
@@ -429,12 +433,14 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         let path = a.stats.clone();
         let view = view.clone();
         let mut link = link.take();
+        let relay = relay.clone();
         std::thread::spawn(move || {
             let mut c = summary::Collected::default();
             let mut asked = dram;
             let mut asked_tier = tier_size.unwrap_or(0);
             while !done.load(Ordering::Acquire) {
                 std::thread::sleep(Duration::from_millis(interval_ms));
+                relay.lock().unwrap_or_else(|e| e.into_inner()).relay(quiet);
                 c.update(&dir);
                 if let Some(p) = &path {
                     write_stats_file(p, &program, None, &c);
@@ -474,6 +480,13 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     done.store(true, Ordering::Release);
     let mut c = poller.join().unwrap_or_default();
     c.update(&stats_dir.0);
+    let fatal = {
+        let mut r = relay.lock().unwrap_or_else(|e| e.into_inner());
+        r.relay(a.quiet);
+        // Said once: not again when the directory goes.
+        let _ = std::fs::remove_file(stats_dir.0.join(memtide_engine::say::MESSAGES_FILE));
+        r.fatal.first().cloned()
+    };
     if let Some(p) = &a.stats {
         write_stats_file(p, program, Some(status), &c);
     }
@@ -492,7 +505,15 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         );
     }
     if !a.quiet && !pinned {
-        summary::print(program, &describe(status), &c);
+        let how = match &fatal {
+            // The figures stop where memtide stopped it: say so first.
+            Some(line) => format!(
+                "was stopped by memtide ({})",
+                line.trim_start_matches("memtide: fatal: ")
+            ),
+            None => describe(status),
+        };
+        summary::print(program, &how, &c);
     }
     Ok(ExitCode::from(exit_code(status)))
 }

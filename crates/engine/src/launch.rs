@@ -101,7 +101,8 @@ fn ask(stats_dir: &Path, file: &str, bytes: u64) -> io::Result<()> {
     std::fs::rename(&tmp, stats_dir.join(file))
 }
 
-/// A private directory for the statistics files of one launch (mode 0700 whatever the umask:
+/// A private directory for the statistics files of one launch, and for what memtide says from
+/// inside the program's processes (mode 0700 whatever the umask:
 /// whoever can write in it can change the program's quota and tier size and forge its
 /// figures), removed on drop. A launcher killed with SIGKILL cannot remove its own: the next
 /// launch by the same user removes directories whose launcher is gone.
@@ -133,7 +134,10 @@ impl StatsDir {
 }
 
 impl Drop for StatsDir {
+    /// Prints what the program's processes said that no one printed yet (see
+    /// [`crate::say::Relay`]), and removes the directory.
     fn drop(&mut self) {
+        crate::say::Relay::new(&self.0).relay(false);
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }

@@ -7,6 +7,7 @@ mod engine;
 pub mod inject;
 pub mod launch;
 mod pages;
+pub mod say;
 pub mod signal;
 pub mod size;
 pub mod stats;

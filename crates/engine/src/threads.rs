@@ -69,9 +69,13 @@ extern "C" fn run(arg: *mut libc::c_void) -> *mut libc::c_void {
         unsafe { libc::pthread_setname_np(libc::pthread_self(), c.as_ptr()) };
     }
     if std::panic::catch_unwind(std::panic::AssertUnwindSafe(main)).is_err() {
-        eprintln!("memtide: fatal: the engine's {name} thread panicked");
+        crate::say::line(&format!(
+            "memtide: fatal: the engine's {name} thread panicked"
+        ));
     } else {
-        eprintln!("memtide: fatal: the engine's {name} thread stopped");
+        crate::say::line(&format!(
+            "memtide: fatal: the engine's {name} thread stopped"
+        ));
     }
     std::process::abort();
 }

@@ -16,7 +16,7 @@ use std::alloc::{GlobalAlloc, Layout};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, AtomicUsize, Ordering};
 
-use memtide_engine::{launch, size, Config, Delivery, Engine, EvictionPolicy};
+use memtide_engine::{launch, say, size, Config, Delivery, Engine, EvictionPolicy};
 
 extern "C" {
     pub(crate) fn __libc_malloc(size: usize) -> *mut libc::c_void;
@@ -168,7 +168,9 @@ fn engine_or_start() -> Option<&'static Engine> {
             Some(e)
         }
         Err(err) => {
-            eprintln!("memtide: {err}; running this program without tiering");
+            say::line(&format!(
+                "memtide: {err}; running this program without tiering"
+            ));
             STATE.store(FAILED, Ordering::Release);
             None
         }
@@ -180,7 +182,7 @@ fn env_size(name: &str) -> Option<u64> {
     match size::parse(&v) {
         Ok(n) => Some(n),
         Err(e) => {
-            eprintln!("memtide: {name}: {e}");
+            say::line(&format!("memtide: {name}: {e}"));
             None
         }
     }
@@ -188,11 +190,15 @@ fn env_size(name: &str) -> Option<u64> {
 
 /// Reads the settings; called once from the library's constructor.
 fn load_settings() {
+    // memtide's words go to the launcher from here on, never into the program's stderr.
+    if let Some(dir) = std::env::var_os("MEMTIDE_STATS_DIR") {
+        say::to_file(std::path::Path::new(&dir));
+    }
     let Some(dram) = env_size("MEMTIDE_DRAM") else {
         return;
     };
     let Ok(tier) = std::env::var("MEMTIDE_TIER") else {
-        eprintln!("memtide: MEMTIDE_TIER is not set; running without tiering");
+        say::line("memtide: MEMTIDE_TIER is not set; running without tiering");
         return;
     };
     let threshold = env_size("MEMTIDE_MIN_BYTES").unwrap_or(128 << 10).max(4096);
@@ -205,7 +211,9 @@ fn load_settings() {
         Ok("signal") => Delivery::Signal,
         Ok("threads") | Err(_) => Delivery::Threads,
         Ok(other) => {
-            eprintln!("memtide: MEMTIDE_FAULTS={other}: expected threads or signal; using threads");
+            say::line(&format!(
+                "memtide: MEMTIDE_FAULTS={other}: expected threads or signal; using threads"
+            ));
             Delivery::Threads
         }
     };
@@ -213,7 +221,9 @@ fn load_settings() {
     let policy = match std::env::var("MEMTIDE_POLICY") {
         Err(_) => EvictionPolicy::default(),
         Ok(name) => EvictionPolicy::from_name(&name).unwrap_or_else(|| {
-            eprintln!("memtide: MEMTIDE_POLICY={name}: expected clock or placement; using clock");
+            say::line(&format!(
+                "memtide: MEMTIDE_POLICY={name}: expected clock or placement; using clock"
+            ));
             EvictionPolicy::default()
         }),
     };

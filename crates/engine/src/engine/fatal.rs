@@ -27,11 +27,9 @@ pub(super) fn fatal_with(what: &str, facts: &[(&str, u64)], e: &io::Error) -> ! 
         line.num(*v);
     }
     line.put(b")\n");
-    // SAFETY: writing our own buffer to stderr; abort never returns.
-    unsafe {
-        libc::syscall(libc::SYS_write, 2, line.b.as_ptr(), line.n);
-        libc::abort();
-    }
+    crate::say::fatal_line(&line.b[..line.n]);
+    // SAFETY: abort never returns.
+    unsafe { libc::abort() }
 }
 
 /// A page's presence as a fatal line prints it: 0 present, 1 swapped, 2 absent, 3 unknown.

@@ -513,7 +513,7 @@ impl Engine {
     fn warn(&self, msg: String) {
         if let Ok(mut w) = self.warnings.lock() {
             if !w.contains(&msg) {
-                eprintln!("memtide: warning: {msg}");
+                crate::say::line(&format!("memtide: warning: {msg}"));
                 w.push(msg);
             }
         }
