@@ -74,9 +74,45 @@ enum Cmd {
     BenchJanitor,
 }
 
+/// A mistake on the command line: one line that names it (clap's first line, without its
+/// tips and usage block), exit status 2. Help and version go out as clap writes them.
+fn usage_error(e: clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    if matches!(
+        e.kind(),
+        ErrorKind::DisplayHelp
+            | ErrorKind::DisplayVersion
+            | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+    ) {
+        e.exit();
+    }
+    let text = e.render().to_string();
+    // The message is the first paragraph (a list of missing arguments follows its line).
+    let first = text
+        .lines()
+        .take_while(|l| !l.trim().is_empty())
+        .map(str::trim)
+        .collect::<Vec<_>>()
+        .join(" ");
+    let hint = match e.kind() {
+        ErrorKind::UnknownArgument => " (--help lists the options; a program's own go after `--`)",
+        _ => " (see --help)",
+    };
+    eprintln!(
+        "memtide: {}{hint}",
+        first
+            .trim_start_matches("error: ")
+            .trim_end_matches(['.', ':'])
+    );
+    ExitCode::from(2)
+}
+
 fn main() -> ExitCode {
     memtide_engine::launch::default_sigpipe();
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return usage_error(e),
+    };
     let result = match cli.cmd {
         Cmd::Run(a) => run::run(a),
         Cmd::Demo(a) => demo::demo(a),

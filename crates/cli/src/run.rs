@@ -95,12 +95,7 @@ pub struct RunArgs {
     #[arg(long, short)]
     pub quiet: bool,
     /// The program and its arguments (after `--`).
-    #[arg(
-        required = true,
-        trailing_var_arg = true,
-        allow_hyphen_values = true,
-        value_name = "PROGRAM"
-    )]
+    #[arg(required = true, trailing_var_arg = true, value_name = "PROGRAM")]
     pub command: Vec<String>,
 }
 

@@ -15,6 +15,35 @@ fn dram_zero_and_garbage_and_too_large() {
     );
 }
 
+/// A mistyped option before the program was taken for the program ("program `--compress`
+/// not found in PATH"): it is named as an option memtide does not have, in one line.
+#[test]
+fn an_unknown_option_is_named_not_run() {
+    for args in [
+        &["run", "--dram", "64MiB", "--compress", "lz4", "--", "true"][..],
+        &["run", "--dram", "64MiB", "--compress", "--", "true"][..],
+        &["run", "--dram", "64MiB", "--nope"][..],
+    ] {
+        fails_with(args, "unexpected argument '--");
+        let o = memtide().args(args).output().unwrap();
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+        assert_eq!(stderr(&o).lines().count(), 1, "{}", stderr(&o));
+        assert!(!stderr(&o).contains("not found in PATH"));
+    }
+    fails_with(
+        &["run", "--", "true"],
+        "required arguments were not provided: --dram",
+    );
+    // A program's own options after it, with or without `--`, are the program's.
+    for args in [
+        &["run", "--dram", "64MiB", "-q", "sh", "-c", "exit 3"][..],
+        &["run", "--dram", "64MiB", "-q", "--", "sh", "-c", "exit 3"][..],
+    ] {
+        let o = memtide().args(args).output().unwrap();
+        assert_eq!(o.status.code(), Some(3), "{args:?}: {}", stderr(&o));
+    }
+}
+
 #[test]
 fn tier_path_missing_existing_or_unwritable() {
     fails_with(
