@@ -382,7 +382,7 @@ fn run_guests(
                         (Family::Swap, Some(p)) => Placement::Cgroup { procs: p },
                         _ => Placement::Dram,
                     };
-                    let stats =
+                    let mut stats =
                         StatsDir::new().context("cannot create a directory for the statistics")?;
                     let mut cmd = g.command(g.accel, settings);
                     place.apply(&mut cmd, &stats.0);
@@ -390,6 +390,17 @@ fn run_guests(
                     let memtide = crate::summary::collect(&stats.0)
                         .main()
                         .map(|(s, _)| s.clone());
+                    // What memtide said inside this guest's QEMU, said with the guest's name
+                    // (guests run side by side), and kept with its failure.
+                    let said: Vec<String> = memtide_engine::say::Relay::new(&stats.0)
+                        .take()
+                        .into_iter()
+                        .map(|(l, _)| l)
+                        .collect();
+                    stats.relayed();
+                    for l in &said {
+                        eprintln!("{} guest {i}: {l}", config.name);
+                    }
                     match achieved(&c.lines) {
                         Some(rate) => Ok(GuestRun {
                             achieved: Some(rate),
@@ -411,14 +422,15 @@ fn run_guests(
                             failed: None,
                         }),
                         None => Err(anyhow!(
-                            "guest {i} gave no result ({}); its console ended:\n{}\n{}",
+                            "guest {i} gave no result ({}); its console ended:\n{}\n{}{}",
                             if c.timed_out {
                                 format!("stopped after {:.0} s", limit.as_secs_f64())
                             } else {
                                 format!("status {:#x}", c.status)
                             },
                             c.lines[c.lines.len().saturating_sub(8)..].join("\n"),
-                            c.stderr.trim()
+                            c.stderr.trim(),
+                            said.iter().map(|l| format!("\n{l}")).collect::<String>()
                         )),
                     }
                 })
@@ -502,6 +514,9 @@ pub fn vms(a: &BenchArgs, host: &Host, g: &Guests) -> Result<serde_json::Value> 
         bytes(a.vm_dram)
     );
     let configs = configs(a, host, g.accel);
+    if !configs.iter().any(|c| c.family == Family::Memtide) {
+        bail!("--faults signal: no SIGBUS delivery under KVM, which reads guest memory from the kernel; use --faults threads");
+    }
     if g.accel == Accel::Kvm && a.faults.contains(&memtide_engine::Delivery::Signal) {
         eprintln!(
             "vms: no SIGBUS delivery under KVM (KVM reads guest memory from the kernel, which it would fail)"

@@ -94,9 +94,25 @@ fn usage_error(e: clap::Error) -> ExitCode {
         .map(str::trim)
         .collect::<Vec<_>>()
         .join(" ");
-    let hint = match e.kind() {
-        ErrorKind::UnknownArgument => " (--help lists the options; a program's own go after `--`)",
-        _ => " (see --help)",
+    use clap::error::{ContextKind, ContextValue};
+    let suggested = [
+        ContextKind::SuggestedArg,
+        ContextKind::SuggestedSubcommand,
+        ContextKind::SuggestedValue,
+    ]
+    .iter()
+    .find_map(|&k| match e.get(k) {
+        Some(ContextValue::String(s)) => Some(s.clone()),
+        Some(ContextValue::Strings(v)) if !v.is_empty() => Some(v.join(", ")),
+        _ => None,
+    });
+    let running = std::env::args().nth(1).as_deref() == Some("run");
+    let hint = match (suggested, e.kind()) {
+        (Some(s), _) => format!(" (did you mean {s}?)"),
+        (None, ErrorKind::UnknownArgument) if running => {
+            " (--help lists the options; memtide's go before the program)".to_string()
+        }
+        _ => " (see --help)".to_string(),
     };
     eprintln!(
         "memtide: {}{hint}",

@@ -91,7 +91,7 @@ pub struct RunArgs {
     /// `memtide sim --trace FILE` to answer "what if this program had X DRAM".
     #[arg(long, value_name = "FILE")]
     pub record: Option<PathBuf>,
-    /// Print no summary at exit.
+    /// Print no summary at exit, and of memtide's messages only fatal ones.
     #[arg(long, short)]
     pub quiet: bool,
     /// The program and its arguments (after `--`).
@@ -384,7 +384,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         )?;
         eprintln!("memtide: metrics at http://{bound}/metrics");
     }
-    let stats_dir = StatsDir::new().context("cannot create a directory for the statistics")?;
+    let mut stats_dir = StatsDir::new().context("cannot create a directory for the statistics")?;
     let interval_ms = (a.stats_interval * 1000.0).max(50.0) as u64;
     let mut cmd = Command::new(program);
     cmd.args(&a.command[1..]);
@@ -478,10 +478,11 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     let fatal = {
         let mut r = relay.lock().unwrap_or_else(|e| e.into_inner());
         r.relay(a.quiet);
-        // Said once: not again when the directory goes.
-        let _ = std::fs::remove_file(stats_dir.0.join(memtide_engine::say::MESSAGES_FILE));
         r.fatal.first().cloned()
     };
+    // Said once: not again when the directory goes (a process that outlives the program and
+    // says more after this is not heard).
+    stats_dir.relayed();
     if let Some(p) = &a.stats {
         write_stats_file(p, program, Some(status), &c);
     }
@@ -500,10 +501,16 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         );
     }
     if !a.quiet && !pinned {
+        use std::os::unix::process::ExitStatusExt;
         let how = match &fatal {
             // The figures stop where memtide stopped it: say so first.
-            Some(line) => format!(
+            Some(line) if status.signal() == Some(libc::SIGABRT) => format!(
                 "was stopped by memtide ({})",
+                line.trim_start_matches("memtide: fatal: ")
+            ),
+            Some(line) => format!(
+                "{}; a process of it was stopped by memtide ({})",
+                describe(status),
                 line.trim_start_matches("memtide: fatal: ")
             ),
             None => describe(status),

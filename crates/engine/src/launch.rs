@@ -106,7 +106,7 @@ fn ask(stats_dir: &Path, file: &str, bytes: u64) -> io::Result<()> {
 /// whoever can write in it can change the program's quota and tier size and forge its
 /// figures), removed on drop. A launcher killed with SIGKILL cannot remove its own: the next
 /// launch by the same user removes directories whose launcher is gone.
-pub struct StatsDir(pub PathBuf);
+pub struct StatsDir(pub PathBuf, bool);
 
 const STATS_PREFIX: &str = "memtide-stats-";
 
@@ -120,7 +120,7 @@ impl StatsDir {
                 Ok(()) => {
                     // The mode given is masked by the umask (0277 would leave 0500): set it.
                     std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o700))?;
-                    return Ok(StatsDir(p));
+                    return Ok(StatsDir(p, false));
                 }
                 Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
                 Err(e) => return Err(e),
@@ -133,11 +133,21 @@ impl StatsDir {
     }
 }
 
+impl StatsDir {
+    /// The launcher has printed what the program's processes said (or chosen not to): the
+    /// directory's end prints nothing more.
+    pub fn relayed(&mut self) {
+        self.1 = true;
+    }
+}
+
 impl Drop for StatsDir {
-    /// Prints what the program's processes said that no one printed yet (see
-    /// [`crate::say::Relay`]), and removes the directory.
+    /// Prints what the program's processes said, unless the launcher did ([`StatsDir::relayed`];
+    /// see [`crate::say::Relay`]), and removes the directory.
     fn drop(&mut self) {
-        crate::say::Relay::new(&self.0).relay(false);
+        if !self.1 {
+            crate::say::Relay::new(&self.0).relay(false);
+        }
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }

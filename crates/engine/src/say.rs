@@ -91,27 +91,36 @@ impl Relay {
     /// Prints to stderr every whole line said since the last call, each line once (several
     /// processes may say the same); with `quiet`, only fatal ones.
     pub fn relay(&mut self, quiet: bool) {
-        let Ok(mut f) = std::fs::File::open(&self.path) else {
-            return;
-        };
-        if f.seek(SeekFrom::Start(self.read)).is_err() {
-            return;
-        }
-        let mut new = Vec::new();
-        if f.read_to_end(&mut new).is_err() {
-            return;
-        }
-        let whole = new.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
-        self.read += whole as u64;
-        for l in String::from_utf8_lossy(&new[..whole]).lines() {
-            let fatal = l.starts_with("memtide: fatal:");
-            if fatal {
-                self.fatal.push(l.to_string());
-            }
-            if (fatal || !quiet) && self.seen.insert(l.to_string()) {
+        for (l, fatal) in self.take() {
+            if (fatal || !quiet) && self.seen.insert(l.clone()) {
                 eprintln!("{l}");
             }
         }
+    }
+
+    /// The whole lines said since the last call, each with whether it is fatal (a fatal line
+    /// is also kept in [`Relay::fatal`]).
+    pub fn take(&mut self) -> Vec<(String, bool)> {
+        let Ok(mut f) = std::fs::File::open(&self.path) else {
+            return Vec::new();
+        };
+        let mut new = Vec::new();
+        if f.seek(SeekFrom::Start(self.read)).is_err() || f.read_to_end(&mut new).is_err() {
+            return Vec::new();
+        }
+        let whole = new.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+        self.read += whole as u64;
+        String::from_utf8_lossy(&new[..whole])
+            .lines()
+            .map(|l| {
+                // (A line cut short by a full disk may lead the next one.)
+                let fatal = l.contains("memtide: fatal:");
+                if fatal {
+                    self.fatal.push(l.to_string());
+                }
+                (l.to_string(), fatal)
+            })
+            .collect()
     }
 }
 

@@ -45,12 +45,9 @@ pub fn next() -> Option<&'static Next> {
         sym(b"malloc_usable_size\0"),
     ];
     if f.contains(&0) {
-        let msg = b"memtide: fatal: cannot find the program's malloc\n";
-        // SAFETY: writing a static message and aborting.
-        unsafe {
-            libc::syscall(libc::SYS_write, 2, msg.as_ptr(), msg.len());
-            libc::abort();
-        }
+        memtide_engine::say::fatal_line(b"memtide: fatal: cannot find the program's malloc\n");
+        // SAFETY: aborting.
+        unsafe { libc::abort() }
     }
     // SAFETY: each address is the next definition of the function of that signature.
     let next = unsafe {

@@ -32,11 +32,9 @@ macro_rules! real {
             } as usize;
             if f == 0 {
                 let msg = concat!("memtide: fatal: libc has no ", $name, "\n");
-                // SAFETY: writing a static message and aborting.
-                unsafe {
-                    libc::syscall(libc::SYS_write, 2, msg.as_ptr(), msg.len());
-                    libc::abort();
-                }
+                memtide_engine::say::fatal_line(msg.as_bytes());
+                // SAFETY: aborting.
+                unsafe { libc::abort() }
             }
             P.store(f, Ordering::Relaxed);
         }

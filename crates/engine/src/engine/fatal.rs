@@ -1,5 +1,5 @@
-//! Stopping the program when the engine cannot keep its data correct: one line on stderr
-//! naming what failed and the numbers that tell what state the engine was in, then abort.
+//! Stopping the program when the engine cannot keep its data correct: one line (to the
+//! launcher, see `say.rs`; without one, on stderr) naming what failed and the numbers that tell what state the engine was in, then abort.
 //! Async-signal-safe (no allocation): it runs on the fault path. Entry points: [`fatal`],
 //! [`fatal_with`].
 
