@@ -1045,7 +1045,7 @@ fn a_hostile_member_cannot_take_the_host() {
         &d.socket,
         "roots",
         "128MiB",
-        &["--footprint", "96MiB", "--seconds", "15"],
+        &["--footprint", "96MiB", "--seconds", "15", "--rate", "20000"],
     );
     let t0 = Instant::now();
     while tenant(&status(&d.socket), "roots").is_none() {
