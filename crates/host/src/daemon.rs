@@ -150,12 +150,7 @@ impl Tenant {
     /// in DRAM are resident, its pages in the tier are in its open tier files), and a tier
     /// limit no larger than any share it was given.
     fn bounds(&self, capacity: u64) -> protocol::Bounds {
-        let u = self.usage.unwrap_or(procs::Usage {
-            mapped: u64::MAX,
-            resident: u64::MAX,
-            tier_allocated: u64::MAX,
-            tier_length: u64::MAX,
-        });
+        let u = self.usage.unwrap_or(procs::Usage::UNBOUNDED);
         protocol::Bounds {
             managed: u.mapped,
             dram: u.resident,
@@ -921,12 +916,7 @@ mod tests {
                 pinned,
             },
             (1000, me, false),
-            Some(procs::Usage {
-                mapped: u64::MAX,
-                resident: u64::MAX,
-                tier_allocated: u64::MAX,
-                tier_length: u64::MAX,
-            }),
+            Some(procs::Usage::UNBOUNDED),
             true,
         )
     }

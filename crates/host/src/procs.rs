@@ -31,6 +31,16 @@ pub struct Usage {
     pub tier_length: u64,
 }
 
+impl Usage {
+    /// No bound: what nothing in /proc limits.
+    pub const UNBOUNDED: Usage = Usage {
+        mapped: u64::MAX,
+        resident: u64::MAX,
+        tier_allocated: u64::MAX,
+        tier_length: u64::MAX,
+    };
+}
+
 /// What `root` and the processes below it hold; `None` when `root` is not there (0: its
 /// connection came from another pid namespace).
 pub fn usage_of(root: u32) -> Option<Usage> {

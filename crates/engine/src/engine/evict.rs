@@ -235,11 +235,7 @@ impl Engine {
                     false
                 }
                 Err(e) => {
-                    Counters::bump(&self.counters.tier_errors);
-                    if e.buffer_lost {
-                        self.bounce.retire(buf);
-                        buf = self.bounce.take();
-                    }
+                    self.read_failed(&mut buf, &e);
                     false
                 }
             };

@@ -441,11 +441,7 @@ impl Engine {
                     None
                 }
                 Err(e) => {
-                    Counters::bump(&self.counters.tier_errors);
-                    if e.buffer_lost {
-                        self.bounce.retire(buf);
-                        buf = self.bounce.take();
-                    }
+                    self.read_failed(&mut buf, &e);
                     Some(e.error)
                 }
             };
@@ -475,6 +471,16 @@ impl Engine {
     }
 
     /// Whether the page read into `buf` for page `q` is the one written to its tier slot.
+    /// Counts a tier read that failed; a buffer the read may still land in is retired and
+    /// `buf` becomes a fresh one.
+    pub(super) fn read_failed(&self, buf: &mut usize, e: &crate::tier::ReadError) {
+        Counters::bump(&self.counters.tier_errors);
+        if e.buffer_lost {
+            self.bounce.retire(*buf);
+            *buf = self.bounce.take();
+        }
+    }
+
     pub(super) fn matches_tier_copy(&self, q: usize, buf: usize) -> bool {
         // SAFETY: `buf` is a page of a bounce buffer this thread holds, just read into.
         let bytes = unsafe { std::slice::from_raw_parts(buf as *const u8, PAGE_SIZE) };
