@@ -156,33 +156,64 @@ mod tests {
 
     #[test]
     fn a_child_descends_and_what_it_holds_counts() {
+        use std::io::BufRead;
         let me = std::process::id();
         let alone = usage_of(me).expect("this process is in /proc");
         assert!(alone.mapped > 0 && alone.resident > 0);
         assert!(alone.resident <= alone.mapped);
-        // A tier file held open, unlinked, with 1 MiB allocated.
+        // A tier file, unlinked, with 1 MiB allocated, held open by a shell (as its stdin)
+        // whose child sleeps: a tree whose memory does not move while it is measured (this
+        // process's does, as other tests run on its other threads).
         let dir = std::env::temp_dir().join(format!("memtide-procs-{me}"));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join(format!("memtide-{me}.tier"));
         let f = std::fs::File::create(&path).unwrap();
         std::os::unix::fs::FileExt::write_all_at(&f, &vec![7u8; 1 << 20], 0).unwrap();
         std::fs::remove_file(&path).unwrap();
-        let _twice = f.try_clone().unwrap();
-        let mut child = std::process::Command::new("sleep")
-            .arg("30")
+        let twice = f.try_clone().unwrap();
+        let mut shell = std::process::Command::new("sh")
+            .args(["-c", "sleep 30 & echo $!; wait"])
+            .stdin(std::process::Stdio::from(twice))
+            .stdout(std::process::Stdio::piped())
             .spawn()
             .unwrap();
-        let pid = child.id();
-        assert!(descends_from(pid, me));
-        assert!(!descends_from(me, pid));
+        let root = shell.id();
+        let mut line = String::new();
+        std::io::BufReader::new(shell.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let sleeper: u32 = line.trim().parse().unwrap();
+        assert!(descends_from(sleeper, root));
+        assert!(descends_from(sleeper, me));
+        assert!(!descends_from(root, sleeper));
         assert!(!descends_from(1, me));
-        let with = usage_of(me).unwrap();
-        let (size, _) = statm(pid).unwrap();
-        assert!(with.mapped >= alone.mapped + size, "{with:?} {alone:?}");
-        assert_eq!(with.tier_length, 1 << 20, "one file, counted once");
-        assert!(with.tier_allocated >= 1 << 20);
-        child.kill().unwrap();
-        child.wait().unwrap();
+        // The sleeper may still be between fork and exec: measure until the sizes held still
+        // across the measurement.
+        let sizes = || (statm(root).unwrap().0, statm(sleeper).unwrap().0);
+        let (tree, (shell_size, sleeper_size)) = (0..10_000)
+            .find_map(|_| {
+                let before = sizes();
+                let tree = usage_of(root).unwrap();
+                std::thread::yield_now();
+                (sizes() == before).then_some((tree, before))
+            })
+            .expect("the tree's sizes hold still");
+        assert_eq!(tree.mapped, shell_size + sleeper_size, "{tree:?}");
+        assert!(tree.resident > 0 && tree.resident <= tree.mapped);
+        assert_eq!(
+            tree.tier_length,
+            1 << 20,
+            "one file, counted once: {tree:?}"
+        );
+        assert!(tree.tier_allocated >= 1 << 20);
+        let leaf = usage_of(sleeper).unwrap();
+        assert!(leaf.mapped < tree.mapped, "a leaf holds only itself");
+        let killed = std::process::Command::new("kill")
+            .args(["-KILL", &sleeper.to_string()])
+            .status()
+            .unwrap();
+        assert!(killed.success());
+        shell.wait().unwrap();
         drop(f);
         let _ = std::fs::remove_dir_all(&dir);
         assert_eq!(usage_of(0), None);
