@@ -128,7 +128,7 @@ impl Guests {
             );
         }
         let mut cmd = self.command(Accel::Kvm, "fill_mib=16 rounds=1");
-        match run_console(&mut cmd, Duration::from_secs(20)) {
+        match run_console(&mut cmd, Duration::from_secs(20), |_, _| {}) {
             Ok(c) if c.lines.iter().any(|l| l.contains("PASS")) => {
                 (Accel::Kvm, "guests run under KVM (a test guest ran under it)".into())
             }
@@ -192,9 +192,37 @@ struct Console {
     stderr: String,
 }
 
-/// Runs `cmd` (a QEMU with its console on stdout), killing it after `limit`. Call it from a
-/// thread that lives as long as the guest (the guest dies with the thread that started it).
-fn run_console(cmd: &mut Command, limit: Duration) -> Result<Console> {
+/// Where a guest's paced load is, as its console tells it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// The first measured second has ended (the warm-up is over).
+    Measuring,
+    /// The load is done: the guest printed what it achieved.
+    Done,
+}
+
+impl Phase {
+    fn of(line: &str) -> Option<Phase> {
+        if !line.contains("memtide-guest: paced") {
+            None
+        } else if line.contains("achieved") {
+            Some(Phase::Done)
+        } else if line.contains("paced second") && !line.contains("warm-up") {
+            Some(Phase::Measuring)
+        } else {
+            None
+        }
+    }
+}
+
+/// Runs `cmd` (a QEMU with its console on stdout), killing it after `limit`; `at` is called
+/// with QEMU's pid when the guest's load reaches each [`Phase`] (the first time). Call it from
+/// a thread that lives as long as the guest (the guest dies with the thread that started it).
+fn run_console(
+    cmd: &mut Command,
+    limit: Duration,
+    mut at: impl FnMut(Phase, u32),
+) -> Result<Console> {
     cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
     die_with_parent(cmd, libc::SIGKILL);
     let mut child = cmd.spawn().context("cannot start qemu-system-x86_64")?;
@@ -220,7 +248,17 @@ fn run_console(cmd: &mut Command, limit: Duration) -> Result<Console> {
             let _ = err.read_to_string(&mut text);
             text
         });
-        let lines: Vec<String> = BufReader::new(out).lines().map_while(|l| l.ok()).collect();
+        let mut seen = Vec::new();
+        let lines: Vec<String> = BufReader::new(out)
+            .lines()
+            .map_while(|l| l.ok())
+            .inspect(|l| {
+                if let Some(phase) = Phase::of(l).filter(|p| !seen.contains(p)) {
+                    seen.push(phase);
+                    at(phase, pid as u32);
+                }
+            })
+            .collect();
         let stderr = stderr.join().unwrap_or_default();
         // Reap only once the watchdog can no longer signal the pid.
         let _ = stop.send(());
@@ -272,6 +310,13 @@ struct GuestRun {
     tier_fault_p99_us: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     hint_faults: Option<u64>,
+    /// memtide with handler threads: the mean time a handler waited for a CPU each time it
+    /// was woken (a fault, an I/O completion), microseconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    handler_wait_us: Option<f64>,
+    /// Faults per second in the measured seconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    measured: Option<Measured>,
     #[serde(skip_serializing_if = "Option::is_none")]
     failed: Option<String>,
 }
@@ -319,6 +364,30 @@ fn configs(a: &BenchArgs, host: &Host, accel: Accel) -> Vec<VmConfig> {
         }
     }
     out
+}
+
+/// Counts taken at a [`Phase`] of a guest's load.
+#[derive(Clone, Copy, Debug, Default)]
+struct Mark {
+    seconds: f64,
+    device_faults: u64,
+    hint_faults: u64,
+}
+
+/// Faults per second while the guest's load was measured (between the end of its first
+/// measured second and its final line; memtide's counts are those of its statistics file,
+/// written every second).
+#[derive(Serialize, Clone, Copy, Debug)]
+struct Measured {
+    device_faults_per_s: f64,
+    hint_faults_per_s: f64,
+}
+
+/// Major faults of process `pid` so far, all its threads (/proc/PID/stat, field 12).
+fn major_faults(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(9)?.parse().ok()
 }
 
 /// The rate in a guest's final line ("... achieved 199997/s (100.0% of the rate)").
@@ -386,7 +455,36 @@ fn run_guests(
                         StatsDir::new().context("cannot create a directory for the statistics")?;
                     let mut cmd = g.command(g.accel, settings);
                     place.apply(&mut cmd, &stats.0);
-                    let c = run_console(&mut cmd, limit)?;
+                    // What was counted when the measured seconds began and ended: memtide's
+                    // statistics (written every second), or the kernel's major faults.
+                    let mut marks: Vec<Mark> = Vec::new();
+                    let start = Instant::now();
+                    let c = run_console(&mut cmd, limit, |_, pid| {
+                        marks.push(match config.family {
+                            Family::Memtide => crate::summary::collect(&stats.0).main().map_or(
+                                Mark::default(),
+                                |(s, _)| Mark {
+                                    seconds: s.elapsed_seconds,
+                                    device_faults: s.faults_tier,
+                                    hint_faults: s.faults_inactive,
+                                },
+                            ),
+                            _ => Mark {
+                                seconds: start.elapsed().as_secs_f64(),
+                                device_faults: major_faults(pid).unwrap_or(0),
+                                hint_faults: 0,
+                            },
+                        })
+                    })?;
+                    let measured = match marks[..] {
+                        [a, b] if b.seconds > a.seconds => Some(Measured {
+                            device_faults_per_s: (b.device_faults - a.device_faults) as f64
+                                / (b.seconds - a.seconds),
+                            hint_faults_per_s: (b.hint_faults - a.hint_faults) as f64
+                                / (b.seconds - a.seconds),
+                        }),
+                        _ => None,
+                    };
                     let memtide = crate::summary::collect(&stats.0)
                         .main()
                         .map(|(s, _)| s.clone());
@@ -419,6 +517,11 @@ fn run_guests(
                                 .as_ref()
                                 .map(|m| m.fault_tier_latency_p99_us),
                             hint_faults: memtide.as_ref().map(|m| m.faults_inactive),
+                            handler_wait_us: memtide
+                                .as_ref()
+                                .filter(|m| m.handler_runs > 0)
+                                .map(|m| m.handler_wait_per_run_us()),
+                            measured,
                             failed: None,
                         }),
                         None => Err(anyhow!(
@@ -459,6 +562,8 @@ fn run_guests(
                 tier_fault_p50_us: None,
                 tier_fault_p99_us: None,
                 hint_faults: None,
+                handler_wait_us: None,
+                measured: None,
                 failed: Some(format!("{e:#}")),
             }),
             Err(e) => bail!("{}: {e:#}", config.name),
@@ -501,6 +606,14 @@ struct VmRow {
     tier_fault_p99_us: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     hint_faults: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    handler_wait_us: Option<f64>,
+    /// Medians over the guests of their device faults and hint faults per second while
+    /// measured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    measured_device_faults_per_s: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    measured_hint_faults_per_s: Option<f64>,
     killed: usize,
 }
 
@@ -597,7 +710,7 @@ pub fn vms(a: &BenchArgs, host: &Host, g: &Guests) -> Result<serde_json::Value> 
     let mut rows = Vec::new();
     println!();
     println!(
-        "{:>6} {:<width$} {:>10} {:>13} {:>13} {:>12} {:>13} {:>14} {:>17} {:>12}",
+        "{:>6} {:<width$} {:>10} {:>13} {:>13} {:>12} {:>13} {:>14} {:>17} {:>12} {:>16} {:>17}",
         "guests",
         "config",
         "DRAM each",
@@ -607,7 +720,9 @@ pub fn vms(a: &BenchArgs, host: &Host, g: &Guests) -> Result<serde_json::Value> 
         "peak RSS sum",
         "device faults",
         "tier fault p50/99",
-        "hint faults"
+        "hint faults",
+        "handler wait/run",
+        "measured dev/hint"
     );
     for &n in &a.guests {
         let reference = median(of(n, "all-DRAM").map(mid).collect());
@@ -630,6 +745,13 @@ pub fn vms(a: &BenchArgs, host: &Host, g: &Guests) -> Result<serde_json::Value> 
                 tier_fault_p50_us: per_guest(n, name, |t| t.tier_fault_p50_us),
                 tier_fault_p99_us: per_guest(n, name, |t| t.tier_fault_p99_us),
                 hint_faults: per_guest(n, name, |t| t.hint_faults.map(|h| h as f64)),
+                handler_wait_us: per_guest(n, name, |t| t.handler_wait_us),
+                measured_device_faults_per_s: per_guest(n, name, |t| {
+                    t.measured.map(|m| m.device_faults_per_s)
+                }),
+                measured_hint_faults_per_s: (c.family == Family::Memtide)
+                    .then(|| per_guest(n, name, |t| t.measured.map(|m| m.hint_faults_per_s)))
+                    .flatten(),
                 killed: of(n, name)
                     .map(|r| r.runs.iter().filter(|t| t.failed.is_some()).count())
                     .sum(),
@@ -639,7 +761,7 @@ pub fn vms(a: &BenchArgs, host: &Host, g: &Guests) -> Result<serde_json::Value> 
                 _ => "-".into(),
             };
             println!(
-                "{:>6} {:<width$} {:>10} {:>12.3}x {:>12.3}x {:>12.0} {:>13} {:>14.0} {:>17} {:>12}{}",
+                "{:>6} {:<width$} {:>10} {:>12.3}x {:>12.3}x {:>12.0} {:>13} {:>14.0} {:>17} {:>12} {:>16} {:>17}{}",
                 n,
                 row.config,
                 row.share.map_or("unlimited".into(), bytes),
@@ -650,6 +772,13 @@ pub fn vms(a: &BenchArgs, host: &Host, g: &Guests) -> Result<serde_json::Value> 
                 row.device_faults,
                 latency,
                 row.hint_faults.map_or("-".into(), |h| format!("{h:.0}")),
+                row.handler_wait_us
+                    .map_or("-".into(), |w| format!("{w:.1} µs")),
+                match (row.measured_device_faults_per_s, row.measured_hint_faults_per_s) {
+                    (Some(d), Some(h)) => format!("{d:.0}/{h:.0} per s"),
+                    (Some(d), None) => format!("{d:.0}/- per s"),
+                    _ => "-".into(),
+                },
                 match (c.family, row.killed) {
                     (Family::Dram, _) if n > fits => "  (would not fit: reference only)".into(),
                     (_, 0) => String::new(),
@@ -661,7 +790,7 @@ pub fn vms(a: &BenchArgs, host: &Host, g: &Guests) -> Result<serde_json::Value> 
     }
     println!();
     println!(
-        "Faults are per guest over the whole run (boot, fill, load), medians over the guests; \"sig\": faults served in the faulting vCPU thread (SIGBUS) instead of by handler threads."
+        "Faults are per guest over the whole run (boot, fill, load), medians over the guests, except \"measured\": device and hint faults per second while the load was measured; \"handler wait/run\": the mean time a handler thread waited for a CPU each time it was woken; \"sig\": faults served in the faulting vCPU thread (SIGBUS) instead of by handler threads."
     );
     println!(
         "all-DRAM fits {fits} guest{} of {} in {}; memtide's budget per guest is its share less {} for QEMU's own memory, which memtide does not manage.",
@@ -714,7 +843,7 @@ pub fn vms(a: &BenchArgs, host: &Host, g: &Guests) -> Result<serde_json::Value> 
 
 #[cfg(test)]
 mod tests {
-    use super::achieved;
+    use super::{achieved, major_faults, Phase};
 
     #[test]
     fn reads_the_rate_from_the_last_report() {
@@ -727,5 +856,39 @@ mod tests {
         .to_vec();
         assert_eq!(achieved(&lines), Some(70182.0));
         assert_eq!(achieved(&lines[..1]), None);
+    }
+
+    #[test]
+    fn the_console_tells_when_the_measured_seconds_begin_and_end() {
+        let at = |l: &str| Phase::of(l);
+        assert_eq!(
+            at("memtide-guest: paced second 2 (warm-up): 200003 accesses"),
+            None
+        );
+        assert_eq!(
+            at("memtide-guest: paced second 3: 200041 accesses"),
+            Some(Phase::Measuring)
+        );
+        assert_eq!(
+            at("memtide-guest: paced 200000/s for 4.0 s after 3 s of warm-up: achieved 70182/s (35.1% of the rate)"),
+            Some(Phase::Done)
+        );
+        assert_eq!(at("memtide-guest: filled 768 MiB"), None);
+    }
+
+    #[test]
+    fn major_faults_are_read_from_proc() {
+        let majflt = || {
+            // SAFETY: plain data, filled by getrusage for this process.
+            let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+            // SAFETY: a valid out-pointer.
+            unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+            ru.ru_majflt as u64
+        };
+        let before = majflt();
+        let read = major_faults(std::process::id()).unwrap();
+        let after = majflt();
+        assert!(before <= read && read <= after, "{before} {read} {after}");
+        assert_eq!(major_faults(0), None);
     }
 }

@@ -130,6 +130,12 @@ pub struct Counters {
     /// Of those, pages read as the next page of a fault that started no run, while objects
     /// span page pairs.
     pub readahead_pairs: AtomicU64,
+    /// Tier faults at a page whose slot follows the slot the previous tier read ended at
+    /// (one slot gap allowed), and of those, faults whose page does not follow that read's
+    /// last page in the address space: what read-ahead by eviction order (tier slots are
+    /// allocated in eviction order) could have saved beyond read-ahead by address.
+    pub faults_tier_slot_follows: AtomicU64,
+    pub faults_tier_slot_follows_only: AtomicU64,
     /// Pages promoted to DRAM (tier-1 reads and inactive hits).
     pub promotions: AtomicU64,
     /// Pages demoted to tier 1 (written or dropped clean).
@@ -243,6 +249,10 @@ pub struct Snapshot {
     pub readahead_pages: u64,
     #[serde(default)]
     pub readahead_pairs: u64,
+    #[serde(default)]
+    pub faults_tier_slot_follows: u64,
+    #[serde(default)]
+    pub faults_tier_slot_follows_only: u64,
     pub promotions: u64,
     pub demotions: u64,
     pub demotions_clean: u64,
@@ -282,6 +292,21 @@ pub struct Snapshot {
     pub tier_reads: u64,
     pub quota_waits: u64,
     pub quota_overruns: u64,
+    /// What the scheduler says of the handler threads, summed: times given a CPU, time spent
+    /// runnable waiting for one (after a wake-up: a fault, an I/O completion), time on one.
+    /// The wait per run is what a fault pays before its handler runs (0 in statistics from
+    /// before these fields, and under SIGBUS delivery).
+    #[serde(default)]
+    pub handler_runs: u64,
+    #[serde(default)]
+    pub handler_wait_seconds: f64,
+    #[serde(default)]
+    pub handler_cpu_seconds: f64,
+    /// The same for the evictor thread.
+    #[serde(default)]
+    pub evictor_runs: u64,
+    #[serde(default)]
+    pub evictor_wait_seconds: f64,
     pub epochs: u64,
     pub scan_cpu_seconds: f64,
     pub evict_cpu_seconds: f64,
@@ -293,6 +318,14 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
+    /// Mean time a handler thread waited for a CPU each time it was woken, in microseconds.
+    pub fn handler_wait_per_run_us(&self) -> f64 {
+        if self.handler_runs == 0 {
+            return 0.0;
+        }
+        self.handler_wait_seconds * 1e6 / self.handler_runs as f64
+    }
+
     /// The program's bytes memtide holds — managed pages in DRAM and in tier 1 — as a
     /// fraction of the process's resident size plus its tier-1 bytes: how much of the program
     /// memtide actually tiers. (Reserved address space that holds nothing does not count.)

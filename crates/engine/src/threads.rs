@@ -111,3 +111,65 @@ pub fn pin_to_cpu(cpu: usize) -> io::Result<()> {
     }
     Ok(())
 }
+
+/// The kernel's id of the calling thread.
+pub fn gettid() -> u32 {
+    // SAFETY: gettid has no preconditions.
+    unsafe { libc::gettid() as u32 }
+}
+
+/// What the scheduler says of thread `tid` of this process (/proc/self/task/TID/schedstat):
+/// time on a CPU, time runnable but waiting for one, and how many times it was given one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SchedStat {
+    pub run_ns: u64,
+    pub wait_ns: u64,
+    pub runs: u64,
+}
+
+impl SchedStat {
+    pub fn of(tid: u32) -> Option<SchedStat> {
+        let text = std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat")).ok()?;
+        let mut f = text.split_whitespace().map(|v| v.parse::<u64>().ok());
+        Some(SchedStat {
+            run_ns: f.next()??,
+            wait_ns: f.next()??,
+            runs: f.next()??,
+        })
+    }
+}
+
+impl std::ops::Add for SchedStat {
+    type Output = SchedStat;
+
+    fn add(self, o: SchedStat) -> SchedStat {
+        SchedStat {
+            run_ns: self.run_ns + o.run_ns,
+            wait_ns: self.wait_ns + o.wait_ns,
+            runs: self.runs + o.runs,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_the_scheduler_says_of_a_thread_is_read() {
+        let before = SchedStat::of(gettid()).expect("schedstat of this thread");
+        std::thread::spawn(|| {
+            let mut x = 0u64;
+            for i in 0..2_000_000u64 {
+                x = x.wrapping_add(i * i);
+            }
+            std::hint::black_box(x);
+            let s = SchedStat::of(gettid()).unwrap();
+            assert!(s.run_ns > 0 && s.runs >= 1, "{s:?}");
+        })
+        .join()
+        .unwrap();
+        let after = SchedStat::of(gettid()).unwrap();
+        assert!(after.runs >= before.runs);
+    }
+}

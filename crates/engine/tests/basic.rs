@@ -55,5 +55,19 @@ fn data_survives_eviction_and_fetch() {
         s.faults_tier > 0,
         "reading evicted data must fetch from tier 1: {s:?}"
     );
+    // Faults went to handler threads (the default delivery), which the scheduler ran; the
+    // evictor ran too.
+    assert!(
+        s.handler_runs > 0 && s.handler_cpu_seconds > 0.0 && s.handler_wait_seconds >= 0.0,
+        "{s:?}"
+    );
+    assert!(s.evictor_runs > 0, "{s:?}");
+    // Read backwards, against the order the pages were evicted in: no fault follows the
+    // previous read in slot order.
+    assert!(
+        s.faults_tier_slot_follows_only <= s.faults_tier_slot_follows
+            && s.faults_tier_slot_follows < s.faults_tier / 2,
+        "{s:?}"
+    );
     eprintln!("{s:#?}");
 }

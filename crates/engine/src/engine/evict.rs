@@ -21,6 +21,8 @@ use crate::sys;
 
 impl Engine {
     pub(super) fn evictor_main(&self) {
+        self.evictor_tid
+            .store(crate::threads::gettid(), Ordering::Relaxed);
         let mut sweep = Clock::default();
         let mut clock = EpochClock::new(self.epoch_ns);
         let mut victims: Vec<usize> =

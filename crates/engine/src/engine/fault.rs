@@ -75,6 +75,8 @@ impl BouncePool {
 /// too while objects span page pairs ([`Pairs`]).
 pub(super) struct SequentialRun {
     last: AtomicUsize,
+    /// The tier slot the last read ended at.
+    last_slot: AtomicU64,
     run: AtomicUsize,
     /// Taken with `try_lock` only (faults may be served in a signal handler): a fault that
     /// finds it taken reads one page and counts for nothing.
@@ -85,6 +87,7 @@ impl SequentialRun {
     pub(super) fn new() -> SequentialRun {
         SequentialRun {
             last: AtomicUsize::new(usize::MAX - 1),
+            last_slot: AtomicU64::new(u64::MAX - 1),
             run: AtomicUsize::new(0),
             pairs: Mutex::new(Pairs::default()),
         }
@@ -108,9 +111,20 @@ impl SequentialRun {
         (pairs.max(ahead), pairs > ahead)
     }
 
-    /// The read that just ended brought in pages up to `last`.
-    fn ended_at(&self, last: usize) {
+    /// The read that just ended brought in pages up to `last`, from slots up to `last_slot`.
+    fn ended_at(&self, last: usize, last_slot: u64) {
         self.last.store(last, Ordering::Relaxed);
+        self.last_slot.store(last_slot, Ordering::Relaxed);
+    }
+
+    /// Whether a read of page `p` at `slot` follows the last read in slot order, and whether
+    /// it does in slot order only (not in address order).
+    fn follows(&self, p: usize, slot: u64) -> (bool, bool) {
+        let last_slot = self.last_slot.load(Ordering::Relaxed);
+        let by_slot = slot == last_slot.wrapping_add(1) || slot == last_slot.wrapping_add(2);
+        let last = self.last.load(Ordering::Relaxed);
+        let by_address = p == last.wrapping_add(1) || p == last.wrapping_add(2);
+        (by_slot, by_slot && !by_address)
     }
 }
 
@@ -534,6 +548,12 @@ impl Engine {
                 n += 1;
             }
         }
+        let (by_slot, by_slot_only) = self.sequential.follows(p, slot);
+        Counters::add(&self.counters.faults_tier_slot_follows, by_slot as u64);
+        Counters::add(
+            &self.counters.faults_tier_slot_follows_only,
+            by_slot_only as u64,
+        );
         let (buf, n) = self.read_verified(p, slot, n);
         // SAFETY: buf holds n pages just read; pages p..p+n are ours (Busy) and missing.
         unsafe { self.fill(p, buf, n, false, "mapping a fetched page failed") };
@@ -546,7 +566,7 @@ impl Engine {
             };
             self.pt.publish(p + i, State::Mapped, Some(h));
         }
-        self.sequential.ended_at(p + n - 1);
+        self.sequential.ended_at(p + n - 1, slot + n as u64 - 1);
         self.note(p, Event::TierFault);
         for q in p..p + n {
             self.arrived(q);

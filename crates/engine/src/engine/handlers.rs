@@ -57,10 +57,18 @@ impl Engine {
     /// Starts one handler thread per CPU this process may run on, each pinned to its CPU.
     pub(super) fn start_handlers(&'static self) -> io::Result<usize> {
         let cpus = crate::threads::allowed_cpus()?;
+        self.handler_tids
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .reserve(cpus.len());
         for (k, &cpu) in cpus.iter().enumerate() {
             crate::threads::spawn(&format!("memtide-fault-{k}"), move || {
                 // Pinning is an optimisation; a handler that cannot pin still serves.
                 let _ = crate::threads::pin_to_cpu(cpu);
+                self.handler_tids
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(crate::threads::gettid());
                 self.handler_main()
             })?;
         }

@@ -59,6 +59,7 @@ pub use crate::signal::Fault;
 use crate::signal::FaultHandler;
 use crate::stats::{Counters, Snapshot};
 use crate::sys::{self, Mapping};
+use crate::threads::SchedStat;
 use crate::tier::{self, Backend, Encrypted, Faulty, FileTier, SlotMap, TierFaults, TierOpenError};
 use crate::uffd::{Delivery, MoveReport, OpenError, Uffd};
 
@@ -247,6 +248,10 @@ pub struct Engine {
     warnings: Mutex<Vec<String>>,
     /// Faults at addresses that hold no memory, per thread (handler threads only).
     strays: handlers::Strays,
+    /// The kernel's ids of the handler threads and of the evictor (0 until it runs), for
+    /// what the scheduler says of them.
+    handler_tids: Mutex<Vec<u32>>,
+    evictor_tid: std::sync::atomic::AtomicU32,
     start_ns: u64,
     pid: u32,
 }
@@ -341,6 +346,8 @@ impl Engine {
             arrivals,
             warnings: Mutex::new(Vec::new()),
             strays: handlers::Strays::new(),
+            handler_tids: Mutex::new(Vec::new()),
+            evictor_tid: std::sync::atomic::AtomicU32::new(0),
             start_ns,
             pid: std::process::id(),
             arena,
@@ -532,6 +539,17 @@ impl Engine {
         };
         let status = StatusMemory::read();
         let dram_bytes = self.quota.resident() * page;
+        let handlers = self
+            .handler_tids
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter_map(|&t| SchedStat::of(t))
+            .fold(SchedStat::default(), |a, b| a + b);
+        let evictor = match self.evictor_tid.load(Ordering::Relaxed) {
+            0 => SchedStat::default(),
+            t => SchedStat::of(t).unwrap_or_default(),
+        };
         Counters::peak(&c.peak_process_anon_bytes, status.anon);
         Counters::peak(
             &c.peak_process_unmanaged_bytes,
@@ -562,6 +580,8 @@ impl Engine {
             moves_underreported: r(&c.moves_underreported),
             readahead_pages: r(&c.readahead_pages),
             readahead_pairs: r(&c.readahead_pairs),
+            faults_tier_slot_follows: r(&c.faults_tier_slot_follows),
+            faults_tier_slot_follows_only: r(&c.faults_tier_slot_follows_only),
             promotions: r(&c.promotions),
             demotions: r(&c.demotions),
             demotions_clean: r(&c.demotions_clean),
@@ -586,6 +606,11 @@ impl Engine {
                 .cumulative(&crate::stats::TIER_READ_BUCKETS_US),
             tier_read_latency_sum_us: c.tier_read_latency.sum_us(),
             tier_reads: c.tier_read_latency.count(),
+            handler_runs: handlers.runs,
+            handler_wait_seconds: handlers.wait_ns as f64 / 1e9,
+            handler_cpu_seconds: handlers.run_ns as f64 / 1e9,
+            evictor_runs: evictor.runs,
+            evictor_wait_seconds: evictor.wait_ns as f64 / 1e9,
             quota_waits: r(&c.quota_waits),
             quota_overruns: r(&c.quota_overruns),
             epochs: r(&c.epochs),
