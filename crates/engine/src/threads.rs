@@ -157,19 +157,38 @@ mod tests {
 
     #[test]
     fn what_the_scheduler_says_of_a_thread_is_read() {
-        let before = SchedStat::of(gettid()).expect("schedstat of this thread");
-        std::thread::spawn(|| {
-            let mut x = 0u64;
-            for i in 0..2_000_000u64 {
-                x = x.wrapping_add(i * i);
+        use std::sync::mpsc;
+        let (tell, told) = mpsc::channel();
+        let (stop, stopped) = mpsc::channel::<()>();
+        let worker = std::thread::spawn(move || {
+            // Runs 5 ms on a CPU, then blocks: the kernel adds up its time as it sleeps.
+            let t0 = std::time::Instant::now();
+            while t0.elapsed() < std::time::Duration::from_millis(5) {
+                std::hint::spin_loop();
             }
-            std::hint::black_box(x);
-            let s = SchedStat::of(gettid()).unwrap();
-            assert!(s.run_ns > 0 && s.runs >= 1, "{s:?}");
-        })
-        .join()
-        .unwrap();
-        let after = SchedStat::of(gettid()).unwrap();
-        assert!(after.runs >= before.runs);
+            tell.send(gettid()).unwrap();
+            stopped.recv().unwrap();
+        });
+        let tid = told.recv().unwrap();
+        // Once the worker sleeps on `stopped`, the kernel has added up the time it ran (a
+        // running thread's time is brought up to date only at ticks and switches).
+        let sleeping = || {
+            std::fs::read_to_string(format!("/proc/self/task/{tid}/stat"))
+                .ok()
+                .and_then(|s| {
+                    s.rsplit(')')
+                        .next()
+                        .map(|r| r.trim_start().starts_with('S'))
+                })
+                .unwrap_or(false)
+        };
+        while !sleeping() {
+            std::thread::yield_now();
+        }
+        let s = SchedStat::of(tid).expect("schedstat of the worker");
+        assert!(s.run_ns >= 4_000_000 && s.runs >= 1, "{s:?}");
+        stop.send(()).unwrap();
+        worker.join().unwrap();
+        assert_eq!(SchedStat::of(0), None);
     }
 }
