@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{memtide, output_within, require, stderr, Scratch};
+use common::{memtide, natively, output_within, require, stderr, Scratch};
 
 /// A child that manages memory (an 8 MiB bytearray) and forks, run with its stderr in a pipe;
 /// the parent prints what the child wrote there.
@@ -34,12 +34,7 @@ fn a_childs_stderr_holds_only_what_the_child_wrote() {
     let s = Scratch::new("messages");
     let script = s.path().join("child.py");
     std::fs::write(&script, SCRIPT).unwrap();
-    let plain = std::process::Command::new("python3")
-        .arg(&script)
-        .output()
-        .unwrap();
-    assert!(plain.status.success(), "{}", stderr(&plain));
-    let native = String::from_utf8_lossy(&plain.stdout).into_owned();
+    let native = natively(std::process::Command::new("python3").arg(&script));
     assert!(native.contains("stderr b'child wrote this\\n'"), "{native}");
     for quiet in [false, true] {
         let mut cmd = memtide();

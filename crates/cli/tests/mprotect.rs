@@ -8,7 +8,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{main_stats, memtide, output_within, require, stderr, Scratch};
+use common::{main_stats, memtide, natively, output_within, require, stderr, Scratch};
 
 const SCRIPT: &str = r#"
 import ctypes, hashlib, os, signal
@@ -51,12 +51,7 @@ fn mprotect_rounds_on_managed_memory_behave_as_natively() {
     let s = Scratch::new("mprotect");
     let script = s.path().join("protect.py");
     std::fs::write(&script, SCRIPT).unwrap();
-    let plain = std::process::Command::new("python3")
-        .arg(&script)
-        .output()
-        .unwrap();
-    assert!(plain.status.success(), "{}", stderr(&plain));
-    let native = String::from_utf8_lossy(&plain.stdout).into_owned();
+    let native = natively(std::process::Command::new("python3").arg(&script));
     assert!(native.contains("child killed by SIGSEGV: True"), "{native}");
     let stats = s.path().join("stats.json");
     let tiered = output_within(

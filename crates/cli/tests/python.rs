@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{main_stats, memtide, output_within, require, stderr, Scratch};
+use common::{main_stats, memtide, natively, output_within, require, stderr, Scratch};
 use memtide_engine::size;
 
 const SCRIPT: &str = r#"
@@ -31,12 +31,7 @@ fn python_bytearray_matches_untiered_run() {
     let script = s.path().join("big.py");
     std::fs::write(&script, SCRIPT).unwrap();
     let n = (2u64 << 30).to_string();
-    let plain = std::process::Command::new("python3")
-        .arg(&script)
-        .arg(&n)
-        .output()
-        .unwrap();
-    assert!(plain.status.success(), "{}", stderr(&plain));
+    let native = natively(std::process::Command::new("python3").arg(&script).arg(&n));
     let stats = s.path().join("stats.json");
     // About 20 s here; a hang fails the test after 5 minutes instead of holding up CI.
     let tiered = output_within(
@@ -53,7 +48,7 @@ fn python_bytearray_matches_untiered_run() {
     assert!(tiered.status.success(), "{}", stderr(&tiered));
     assert_eq!(
         String::from_utf8_lossy(&tiered.stdout),
-        String::from_utf8_lossy(&plain.stdout),
+        native,
         "same bytes with and without memtide"
     );
     let st = main_stats(&stats);

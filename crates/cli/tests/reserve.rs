@@ -10,7 +10,7 @@ mod common;
 use std::process::Command;
 use std::time::Duration;
 
-use common::{main_stats, memtide, output_within, require, stderr, Scratch};
+use common::{main_stats, memtide, natively, output_within, require, stderr, Scratch};
 
 const SCRIPT: &str = r#"import ctypes, ctypes.util, os, sys
 libc = ctypes.CDLL(None, use_errno=True)
@@ -77,13 +77,8 @@ fn reservations_commit_decommit_and_lend_like_natively() {
     let script = s.path().join("reserve.py");
     std::fs::write(&script, SCRIPT).unwrap();
     let data = s.path().join("data");
-    let native = Command::new("python3")
-        .arg(&script)
-        .arg(&data)
-        .output()
-        .unwrap();
-    assert!(native.status.success(), "{}", stderr(&native));
-    assert_eq!(String::from_utf8_lossy(&native.stdout).trim(), EXPECTED);
+    let native = natively(Command::new("python3").arg(&script).arg(&data));
+    assert_eq!(native.trim(), EXPECTED);
     let stats = s.path().join("stats.json");
     let o = output_within(
         memtide()

@@ -97,6 +97,14 @@ pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
+/// Runs `cmd` without memtide, as the reference a tiered run is compared with: it must
+/// succeed. Its standard output.
+pub fn natively(cmd: &mut Command) -> String {
+    let o = cmd.output().expect("run the program natively");
+    assert!(o.status.success(), "{}", stderr(&o));
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
 /// Deterministic value bytes for a key.
 pub fn value_for(key: u64, len: usize) -> Vec<u8> {
     let mut x = key.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
