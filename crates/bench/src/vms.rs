@@ -385,9 +385,10 @@ struct Measured {
 
 /// Major faults of process `pid` so far, all its threads (/proc/PID/stat, field 12).
 fn major_faults(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(9)?.parse().ok()
+    memtide_engine::sys::stat_fields(&format!("/proc/{pid}/stat"))?
+        .get(9)?
+        .parse()
+        .ok()
 }
 
 /// The rate in a guest's final line ("... achieved 199997/s (100.0% of the rate)").

@@ -1012,8 +1012,7 @@ say(phase="silent", tenant=quiet["registered"]["tenant"], closed_after=gone, aga
 
 /// CPU seconds a process has used (user + system).
 fn cpu_seconds(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-    let f: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
+    let f = memtide_engine::sys::stat_fields(&format!("/proc/{pid}/stat")).unwrap();
     let ticks: f64 = f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap();
     ticks / 100.0
 }

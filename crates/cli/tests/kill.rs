@@ -58,12 +58,9 @@ fn empty(dir: &Path) -> bool {
 
 /// Whether process `pid` is gone (or a zombie nobody has reaped yet).
 fn gone(pid: i32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Err(_) => true,
-        Ok(s) => s
-            .rsplit(')')
-            .next()
-            .is_some_and(|r| r.trim_start().starts_with('Z')),
+    match memtide_engine::sys::stat_fields(&format!("/proc/{pid}/stat")) {
+        None => true,
+        Some(f) => f.first().is_some_and(|s| s == "Z"),
     }
 }
 

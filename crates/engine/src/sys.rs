@@ -320,6 +320,14 @@ pub unsafe fn page_is_zero(addr: usize) -> bool {
     words.iter().all(|&w| w == 0)
 }
 
+/// The fields of a /proc stat file (`/proc/PID/stat`, `/proc/self/task/TID/stat`) after the
+/// command name, which may hold spaces and ')': the first is the state (field 3 in proc(5)).
+pub fn stat_fields(path: &str) -> Option<Vec<String>> {
+    let stat = std::fs::read_to_string(path).ok()?;
+    let rest = &stat[stat.rfind(')')? + 1..];
+    Some(rest.split_whitespace().map(String::from).collect())
+}
+
 /// Where the kernel keeps a page of this process's memory (from `/proc/self/pagemap`).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Presence {

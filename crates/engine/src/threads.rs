@@ -173,14 +173,8 @@ mod tests {
         // Once the worker sleeps on `stopped`, the kernel has added up the time it ran (a
         // running thread's time is brought up to date only at ticks and switches).
         let sleeping = || {
-            std::fs::read_to_string(format!("/proc/self/task/{tid}/stat"))
-                .ok()
-                .and_then(|s| {
-                    s.rsplit(')')
-                        .next()
-                        .map(|r| r.trim_start().starts_with('S'))
-                })
-                .unwrap_or(false)
+            crate::sys::stat_fields(&format!("/proc/self/task/{tid}/stat"))
+                .is_some_and(|f| f.first().is_some_and(|s| s == "S"))
         };
         while !sleeping() {
             std::thread::yield_now();

@@ -145,9 +145,10 @@ fn children(pid: u32) -> Vec<u32> {
 
 /// The parent of `pid` (the field after the command name, which may hold spaces and ')').
 fn parent(pid: u32) -> Option<u32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(1)?.parse().ok()
+    memtide_engine::sys::stat_fields(&format!("/proc/{pid}/stat"))?
+        .get(1)?
+        .parse()
+        .ok()
 }
 
 #[cfg(test)]
