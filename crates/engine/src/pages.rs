@@ -53,6 +53,10 @@ const PIN_ONE: u32 = 1 << PIN_SHIFT;
 const PIN_MASK: u32 = 0xFF << PIN_SHIFT;
 const HIST_SHIFT: u32 = 16;
 const HIST_MASK: u32 = 0xFF << HIST_SHIFT;
+/// How many times in a row the CLOCK sweep found the page in use
+/// ([`memtide_policy::clock::MAX_PROVEN`]); cleared whenever the page leaves DRAM.
+const PROVEN_SHIFT: u32 = 24;
+const PROVEN_MASK: u32 = 0x3 << PROVEN_SHIFT;
 
 /// Flag in a block length: the block was allocated through the malloc family.
 const MALLOC_BLOCK: u32 = 1 << 31;
@@ -90,8 +94,18 @@ impl Word {
         Activeness(((self.0 & HIST_MASK) >> HIST_SHIFT) as u8)
     }
 
+    /// How many times in a row the sweep's test found the page in use.
+    pub fn proven(self) -> u8 {
+        ((self.0 & PROVEN_MASK) >> PROVEN_SHIFT) as u8
+    }
+
+    /// The word in state `s`; a page that leaves DRAM loses its standing with the sweep.
     fn with_state(self, s: State) -> Word {
-        Word((self.0 & !(STATE_MASK | WAITERS)) | s as u32)
+        let kept = match s {
+            State::Mapped | State::Staged | State::Writing | State::Busy => !0,
+            _ => !PROVEN_MASK,
+        };
+        Word((self.0 & !(STATE_MASK | WAITERS) & kept) | s as u32)
     }
 
     fn with_history(self, h: Activeness) -> Word {
@@ -268,6 +282,22 @@ impl PageTable {
             .is_ok()
     }
 
+    /// Counts one more time in a row that page `i`, ours (`Busy`), was found in use by the
+    /// sweep's test (touched while inactive), up to [`memtide_policy::clock::MAX_PROVEN`].
+    pub fn prove(&self, i: usize) {
+        let word = self.word(i);
+        let mut cur = word.load(Ordering::Acquire);
+        loop {
+            let w = Word(cur);
+            let k = (w.proven() + 1).min(memtide_policy::clock::MAX_PROVEN) as u32;
+            let next = (cur & !PROVEN_MASK) | (k << PROVEN_SHIFT);
+            match word.compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return,
+                Err(c) => cur = c,
+            }
+        }
+    }
+
     /// Marks page `i` as protected by the program (or no longer), whatever its state.
     pub fn set_protected(&self, i: usize, on: bool) {
         if on {
@@ -312,6 +342,35 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_page_keeps_its_standing_in_dram_and_loses_it_when_it_leaves() {
+        let t = PageTable::new(2).unwrap();
+        t.allocate(0);
+        t.claim(0, State::Unpopulated, false).unwrap();
+        t.publish(0, State::Mapped, Some(Activeness::TOUCHED));
+        let max = memtide_policy::clock::MAX_PROVEN;
+        for k in 1..=max as u32 + 2 {
+            t.claim(0, State::Mapped, false).unwrap();
+            t.publish(0, State::Staged, None);
+            t.claim(0, State::Staged, false).unwrap();
+            t.prove(0);
+            t.publish(0, State::Mapped, None);
+            assert_eq!(t.load(0).proven() as u32, k.min(max as u32));
+        }
+        assert!(t.pin(0));
+        t.unpin(0);
+        t.age(0);
+        assert_eq!(t.load(0).proven(), max, "pins and ageing keep it");
+        t.claim(0, State::Mapped, false).unwrap();
+        t.publish(0, State::Writing, None);
+        assert_eq!(t.load(0).proven(), max);
+        t.publish(0, State::Evicted, None);
+        assert_eq!(t.load(0).proven(), 0, "leaving DRAM clears it");
+        t.claim(0, State::Evicted, false).unwrap();
+        t.publish(0, State::Mapped, Some(Activeness::TOUCHED));
+        assert_eq!(t.load(0).proven(), 0);
+    }
+
+    #[test]
     fn claim_publish_round_trip_keeps_pins_and_history() {
         let t = PageTable::new(4).unwrap();
         t.allocate(1);
@@ -328,6 +387,7 @@ mod tests {
         );
         t.unpin(1);
         assert_eq!(t.age(1), Activeness::TOUCHED);
+        assert_eq!(t.load(1).proven(), 0);
         assert_eq!(t.load(1).history(), Activeness(0x40));
         assert!(t.claim(1, State::Mapped, true).is_some());
     }

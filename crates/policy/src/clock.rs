@@ -6,6 +6,16 @@
 
 use crate::{Activeness, Watermarks};
 
+/// The most times in a row a page is counted as found in use by the sweep's test (unmapped
+/// into the inactive list, then touched there). A page found in use `k` times in a row is
+/// tested again only every `2^k`-th pass of the hand, and spared on the others. Without this,
+/// a page the hand has just tested and found used is unmapped again at the next pass, and a
+/// hot page costs a hint fault per pass: a guest's hot memory, touched through mappings the
+/// engine cannot see, faults at every test. With it, a page hot for good is tested every
+/// `2^MAX_PROVEN` passes; one that cools keeps its DRAM for up to that many passes, and loses
+/// its standing when it leaves DRAM.
+pub const MAX_PROVEN: u8 = 3;
+
 /// The CLOCK-style deactivation sweep: decides, page by page, whether a resident active page
 /// should be unmapped into the inactive list.
 ///
@@ -80,6 +90,11 @@ pub trait SweepPages {
     /// Takes page `i`, which the sweep chose, into the inactive list; false if it could not
     /// (it changed meanwhile).
     fn take(&mut self, i: usize) -> bool;
+    /// How many times in a row page `i` was found in use when tested (at most
+    /// [`MAX_PROVEN`]).
+    fn proven(&self, _i: usize) -> u8 {
+        0
+    }
 }
 
 /// The CLOCK hand and the bar it applies ([`Sweep`]).
@@ -87,11 +102,14 @@ pub trait SweepPages {
 pub struct Clock {
     sweep: Sweep,
     hand: usize,
+    /// Passes the hand has completed.
+    passes: usize,
 }
 
 impl Clock {
     /// Moves the hand over the pages until `want` of them were taken, or the hand went round
-    /// `MAX_IDLE + 1` times (each pass that comes up short lowers the bar). Returns how many
+    /// `MAX_IDLE + 1 + 2^MAX_PROVEN` times (each pass that comes up short lowers the bar; a
+    /// page proven in use is spared on all but one of `2^proven` passes). Returns how many
     /// pages were taken.
     pub fn deactivate(&mut self, pages: &mut impl SweepPages, want: usize) -> usize {
         let n = pages.extent();
@@ -101,21 +119,31 @@ impl Clock {
         self.sweep.want(want as u64);
         let mut taken = 0;
         let mut scanned = 0;
-        while taken < want && scanned < n * (Sweep::MAX_IDLE as usize + 1) {
+        let passes = Sweep::MAX_IDLE as usize + 1 + (1 << MAX_PROVEN);
+        while taken < want && scanned < n * passes {
             if self.hand >= n {
                 self.hand = 0;
+                self.passes = self.passes.wrapping_add(1);
                 self.sweep.end_pass((want - taken) as u64);
             }
             let i = self.hand;
             self.hand += 1;
             scanned += 1;
             if let Some(h) = pages.candidate(i) {
-                if self.sweep.take(h) && pages.take(i) {
+                // A spared page counts as found: the bar measures idleness, not standing.
+                if self.sweep.take(h) && !self.spares(pages.proven(i), i) && pages.take(i) {
                     taken += 1;
                 }
             }
         }
         taken
+    }
+
+    /// Whether this pass spares page `i`, found in use `proven` times in a row: it is tested
+    /// on one pass in `2^proven`, staggered by its index so that a pass tests an even share.
+    fn spares(&self, proven: u8, i: usize) -> bool {
+        let every = 1usize << proven.min(MAX_PROVEN);
+        !self.passes.wrapping_add(i).is_multiple_of(every)
     }
 
     /// The bar the sweep applies now, in idle epochs.
@@ -267,6 +295,62 @@ mod tests {
         assert_eq!(c.deactivate(&mut pages, 2), 2);
         assert_eq!(pages.taken[2], 4);
         assert_eq!(c.required_idle(), 0);
+    }
+
+    /// Idle pages with a standing each; a taken page is put back at once (it was touched
+    /// while inactive), so every pass finds all of them again.
+    struct Proven {
+        proven: Vec<u8>,
+        taken: Vec<usize>,
+    }
+
+    impl SweepPages for Proven {
+        fn extent(&self) -> usize {
+            self.proven.len()
+        }
+        fn candidate(&mut self, _i: usize) -> Option<Activeness> {
+            Some(Activeness(0))
+        }
+        fn take(&mut self, i: usize) -> bool {
+            self.taken.push(i);
+            true
+        }
+        fn proven(&self, i: usize) -> u8 {
+            self.proven[i]
+        }
+    }
+
+    #[test]
+    fn a_page_proven_in_use_k_times_is_tested_once_in_2_to_the_k_passes() {
+        let n = 64;
+        let proven: Vec<u8> = (0..n).map(|i| (i % 5) as u8).collect();
+        let mut pages = Proven {
+            proven: proven.clone(),
+            taken: Vec::new(),
+        };
+        let mut c = Clock::default();
+        // More than the pages can give: the hand goes round as often as one call allows.
+        let got = c.deactivate(&mut pages, usize::MAX);
+        let passes = Sweep::MAX_IDLE as usize + 1 + (1 << MAX_PROVEN);
+        let mut tested = vec![0usize; n];
+        for &i in &pages.taken {
+            tested[i] += 1;
+        }
+        assert_eq!(got, pages.taken.len());
+        for i in 0..n {
+            let every = 1usize << proven[i].min(MAX_PROVEN);
+            let expected = (0..passes)
+                .filter(|p| (p + i).is_multiple_of(every))
+                .count();
+            assert_eq!(tested[i], expected, "page {i}, proven {} times", proven[i]);
+            assert!(tested[i] <= passes.div_ceil(every));
+            if proven[i] == 0 {
+                assert_eq!(
+                    tested[i], passes,
+                    "an unproven page is tested at every pass"
+                );
+            }
+        }
     }
 
     /// A toy memory: `resident` pages, of which the inactive ones are written back first.

@@ -670,6 +670,10 @@ impl SweepPages for Candidates<'_> {
         (w.state() == State::Mapped && w.pins() == 0 && !w.protected()).then(|| w.history())
     }
 
+    fn proven(&self, i: usize) -> u8 {
+        self.engine.pt.load(i).proven()
+    }
+
     fn take(&mut self, i: usize) -> bool {
         let claimed = self.engine.pt.claim(i, State::Mapped, true).is_some();
         if claimed {

@@ -339,6 +339,7 @@ impl Engine {
         self.pt.set_stage(p, NONE);
         self.ring.staged.fetch_sub(1, Ordering::AcqRel);
         self.note(p, Event::HintFault);
+        self.pt.prove(p);
         self.pt
             .publish(p, State::Mapped, Some(old.history().touch()));
         Counters::bump(&self.counters.faults_inactive);

@@ -200,6 +200,16 @@ pub struct Memtide {
 }
 
 const STAGED: u8 = 3;
+/// How many times in a row the sweep found a page in use ([`memtide_policy::clock::MAX_PROVEN`]),
+/// as the engine keeps it in its page words: one more for each touch while inactive, none once
+/// the page leaves DRAM.
+const PROVEN_SHIFT: u8 = 4;
+const PROVEN: u8 = 3 << PROVEN_SHIFT;
+
+fn proven_once_more(state: u8) -> u8 {
+    let k = ((state & PROVEN) >> PROVEN_SHIFT) + 1;
+    (state & !PROVEN) | (k.min(memtide_policy::clock::MAX_PROVEN) << PROVEN_SHIFT)
+}
 
 /// Page `i`'s history as of epoch `now`, brought up to date.
 fn history(hist: &mut [Activeness], aged_at: &mut [u32], now: u32, i: usize) -> Activeness {
@@ -233,10 +243,14 @@ impl SweepPages for Candidates<'_> {
     }
 
     fn take(&mut self, i: usize) -> bool {
-        self.state[i] = (self.state[i] & DIRTY) | STAGED;
+        self.state[i] = (self.state[i] & !3) | STAGED;
         self.fifo.push_back(i as u32);
         *self.staged += 1;
         true
+    }
+
+    fn proven(&self, i: usize) -> u8 {
+        (self.state[i] & PROVEN) >> PROVEN_SHIFT
     }
 }
 
@@ -347,7 +361,7 @@ impl Policy for Memtide {
             IN_DRAM => {}
             STAGED => {
                 o.soft_faults += 1;
-                self.state[p] = IN_DRAM | (st & DIRTY);
+                self.state[p] = proven_once_more((st & !3) | IN_DRAM);
                 self.staged -= 1;
                 self.touch(p);
             }
