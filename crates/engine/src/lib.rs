@@ -4,6 +4,7 @@
 
 mod arena;
 mod engine;
+pub mod fds;
 pub mod inject;
 pub mod launch;
 mod pages;

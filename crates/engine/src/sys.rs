@@ -358,7 +358,9 @@ impl Pagemap {
                 libc::O_RDONLY | libc::O_CLOEXEC,
             )
         })? as i32;
-        Ok(Pagemap { fd })
+        Ok(Pagemap {
+            fd: crate::fds::lift_raw(fd),
+        })
     }
 
     /// Fills `out` with the presence of the pages from `addr` on, one entry per page.
@@ -403,6 +405,7 @@ impl Pagemap {
 
 impl Drop for Pagemap {
     fn drop(&mut self) {
+        crate::fds::forget(self.fd);
         // SAFETY: closing the descriptor this value owns.
         unsafe { libc::syscall(libc::SYS_close, self.fd) };
     }

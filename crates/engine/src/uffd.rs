@@ -144,7 +144,7 @@ pub enum OpenError {
 
 /// An open, initialized userfaultfd.
 pub struct Uffd {
-    fd: OwnedFd,
+    fd: crate::fds::Lifted<OwnedFd>,
     delivery: Delivery,
     /// Fault injection for tests: every Nth move that moved pages reports one page fewer and
     /// fails with EEXIST, as 6.18's batched move can after an internal retry (0: off).
@@ -202,7 +202,7 @@ impl Uffd {
             return Err(OpenError::MissingFeatures);
         }
         Ok(Uffd {
-            fd,
+            fd: crate::fds::lift(fd),
             delivery,
             underreport_every: AtomicU32::new(0),
             moves: AtomicU32::new(0),

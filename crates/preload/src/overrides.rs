@@ -1047,3 +1047,90 @@ pub unsafe extern "C" fn puts(text: *const c_char) -> c_int {
     // SAFETY: libc's stdout, read once; the program's string.
     unsafe { pinned_puts(text, stdout, true, true) }
 }
+
+// ----- descriptors: memtide's own stay open and out of the program's way -----
+//
+// memtide's descriptors sit at high numbers (`memtide_engine::fds`). A program that closes
+// the descriptors it does not know (daemons, process supervisors, test runners) would close
+// them too and leave the engine without its userfaultfd or tier; these wrappers pass every
+// call through except on memtide's descriptors, which the program never opened: `close`
+// says EBADF, as it would for a number not open, and the range calls skip them.
+
+#[no_mangle]
+pub unsafe extern "C" fn close(fd: c_int) -> c_int {
+    if memtide_engine::fds::is_ours(fd) {
+        return fail(libc::EBADF, -1);
+    }
+    let real = real!("close", unsafe extern "C" fn(c_int) -> c_int);
+    // SAFETY: libc's close, passed through.
+    unsafe { real(fd) }
+}
+
+/// `close_range(2)` over `first..=last` less memtide's descriptors: one system call per
+/// stretch between them.
+fn close_range_sparing(first: u32, last: u32, flags: c_int) -> c_int {
+    let raw = |a: u32, b: u32| -> c_int {
+        // SAFETY: the close_range system call on a range of descriptor numbers.
+        unsafe { libc::syscall(libc::SYS_close_range, a, b, flags) as c_int }
+    };
+    if first > last {
+        return raw(first, last);
+    }
+    let mut ours = [0; 32];
+    let lo = first.min(i32::MAX as u32) as i32;
+    let hi = last.min(i32::MAX as u32) as i32;
+    let n = memtide_engine::fds::ours_in(lo, hi, &mut ours);
+    let mut from = first;
+    for &fd in &ours[..n] {
+        let fd = fd as u32;
+        if fd > from && raw(from, fd - 1) < 0 {
+            return -1;
+        }
+        from = fd + 1;
+    }
+    if from <= last {
+        return raw(from, last);
+    }
+    0
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn close_range(
+    first: libc::c_uint,
+    last: libc::c_uint,
+    flags: c_int,
+) -> c_int {
+    close_range_sparing(first, last, flags)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn closefrom(low: c_int) {
+    close_range_sparing(low.max(0) as u32, u32::MAX, 0);
+}
+
+/// Replacing one of memtide's descriptors would take the engine's userfaultfd or tier away
+/// from under it: refused with EBUSY (which the kernel also gives `dup2` in a race with an
+/// open of the same number). memtide's numbers are high, so a program rarely asks for one.
+fn replacing_ours(old: c_int, new: c_int) -> bool {
+    old != new && memtide_engine::fds::is_ours(new)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup2(old: c_int, new: c_int) -> c_int {
+    if replacing_ours(old, new) {
+        return fail(libc::EBUSY, -1);
+    }
+    let real = real!("dup2", unsafe extern "C" fn(c_int, c_int) -> c_int);
+    // SAFETY: libc's dup2, passed through.
+    unsafe { real(old, new) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int {
+    if replacing_ours(old, new) {
+        return fail(libc::EBUSY, -1);
+    }
+    let real = real!("dup3", unsafe extern "C" fn(c_int, c_int, c_int) -> c_int);
+    // SAFETY: libc's dup3, passed through.
+    unsafe { real(old, new, flags) }
+}

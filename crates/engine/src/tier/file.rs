@@ -28,7 +28,7 @@ pub enum TierOpenError {
 
 /// A tier-1 file.
 pub struct FileTier {
-    fd: OwnedFd,
+    fd: crate::fds::Lifted<OwnedFd>,
     direct: bool,
     path: PathBuf,
     /// Bytes the file has been grown to.
@@ -65,7 +65,7 @@ impl FileTier {
                     source: e,
                 },
             })?;
-        let fd = OwnedFd::from(file);
+        let fd = crate::fds::lift(OwnedFd::from(file));
         // Unlinked at once: nothing is left behind, even if the program is killed.
         let _ = std::fs::remove_file(&target);
         Ok(FileTier {

@@ -21,6 +21,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use io_uring::{opcode, squeue, types, IoUring};
+
+use crate::fds::{self, Lifted};
 use memtide_policy::PAGE_SIZE;
 
 use super::{Backend, FileTier, ReadError};
@@ -31,7 +33,7 @@ const READ_RINGS: usize = 8;
 struct ReadRing {
     /// Taken by the thread using the ring; never given back once the ring is retired.
     busy: AtomicBool,
-    ring: std::cell::UnsafeCell<IoUring>,
+    ring: std::cell::UnsafeCell<Lifted<IoUring>>,
 }
 
 // SAFETY: a ReadRing's IoUring is used only by the thread that set `busy` (an acquire/release
@@ -41,7 +43,7 @@ unsafe impl Sync for ReadRing {}
 /// The tier file, with I/O through io_uring.
 pub struct UringTier {
     file: FileTier,
-    write_ring: Mutex<IoUring>,
+    write_ring: Mutex<Lifted<IoUring>>,
     /// Set when the write ring failed with writes possibly in flight: later writes use
     /// `pwritev`.
     write_ring_broken: AtomicBool,
@@ -59,13 +61,13 @@ pub struct UringTier {
 impl UringTier {
     /// Sets up the rings on `file`, or gives the file back with the reason io_uring is unusable.
     pub fn new(file: FileTier) -> Result<UringTier, (FileTier, io::Error)> {
-        let write_ring = match IoUring::new(64) {
+        let write_ring = match IoUring::new(64).and_then(fds::lift_ring) {
             Ok(r) => r,
             Err(e) => return Err((file, e)),
         };
         let mut read_rings = Vec::with_capacity(READ_RINGS);
         for _ in 0..READ_RINGS {
-            match IoUring::new(8) {
+            match IoUring::new(8).and_then(fds::lift_ring) {
                 Ok(r) => read_rings.push(ReadRing {
                     busy: AtomicBool::new(false),
                     ring: std::cell::UnsafeCell::new(r),
