@@ -1,6 +1,7 @@
 //! The engine's counters: relaxed atomics in one place, updated from the fault path (so no
 //! locks, no allocation), read into a serializable [`Snapshot`]. Names follow the metric
-//! contract in DESIGN.md (`memtide_<subsystem>_<what>`). Entry points: [`Counters`],
+//! naming of the whole project (`memtide_<subsystem>_<what>`, units in the name, as the
+//! Prometheus metrics of `run --metrics` and the host daemon). Entry points: [`Counters`],
 //! [`LatencyHistogram`], [`Snapshot`].
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};

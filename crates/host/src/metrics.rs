@@ -1,4 +1,4 @@
-//! Prometheus metrics: the host and every tenant, named by the contract in DESIGN.md
+//! Prometheus metrics: the host and every tenant, named as all of memtide's metrics are
 //! (`memtide_<subsystem>_<what>`, units in the name; counters get `_total` from the encoder),
 //! encoded by `prometheus-client` from a [`HostStatus`] taken at scrape time; and the small HTTP
 //! server that serves them (`/metrics`, the status as JSON at `/api/status`, and from a daemon
