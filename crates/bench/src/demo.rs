@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use memtide_engine::launch::{die_with_parent, StatsDir, TierEnv};
+use memtide_engine::launch::{die_with_parent, Settings, StatsDir};
 use memtide_engine::{size::format as bytes, Snapshot};
 
 use crate::workload::{Line, WorkloadArgs, WorkloadResult};
@@ -75,21 +75,14 @@ impl Placement<'_> {
                 preload,
                 faults,
                 policy,
-            } => TierEnv {
-                preload,
-                dram: *dram,
-                tier,
-                tier_size: None,
-                tier_max: None,
-                min_bytes: 128 << 10,
-                stats_dir,
+            } => Settings {
+                stats_dir: Some(stats_dir.to_path_buf()),
                 stats_interval_ms: 500,
                 faults: *faults,
                 policy: *policy,
-                encrypt_tier: false,
-                record: false,
+                ..Settings::new(*dram, *tier)
             }
-            .apply(cmd),
+            .apply(preload, cmd),
             Placement::Cgroup { procs } => {
                 let procs = procs.to_path_buf();
                 // SAFETY: the closure only writes a file and runs between fork and exec.

@@ -106,13 +106,8 @@ pub fn rate(s: &str) -> Result<f64, String> {
 
 /// Fault delivery: `threads` or `signal`.
 pub fn delivery(s: &str) -> Result<memtide_engine::Delivery, String> {
-    match s {
-        "threads" => Ok(memtide_engine::Delivery::Threads),
-        "signal" => Ok(memtide_engine::Delivery::Signal),
-        _ => Err(format!(
-            "`{s}` is not a way to deliver faults: write threads or signal"
-        )),
-    }
+    memtide_engine::Delivery::from_name(s)
+        .ok_or_else(|| format!("`{s}` is not a way to deliver faults: write threads or signal"))
 }
 
 pub fn eviction_policy(s: &str) -> Result<memtide_engine::EvictionPolicy, String> {

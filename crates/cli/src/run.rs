@@ -14,7 +14,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use memtide_engine::launch::{self, die_with_parent, forward_signals, StatsDir, TierEnv};
+use memtide_engine::launch::{self, die_with_parent, forward_signals, Settings, StatsDir};
 use memtide_engine::size::format as bytes;
 use memtide_host::client::{default_socket, Client};
 use memtide_host::protocol::{
@@ -389,21 +389,19 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     let mut cmd = Command::new(program);
     cmd.args(&a.command[1..]);
     if let Some(ready) = &ready {
-        TierEnv {
-            preload: &ready.preload,
-            dram,
-            tier: &tier,
+        Settings {
             tier_size,
             tier_max,
             min_bytes: a.min_bytes,
-            stats_dir: &stats_dir.0,
+            stats_dir: Some(stats_dir.0.clone()),
             stats_interval_ms: interval_ms,
             faults: a.faults,
             policy: a.policy,
             encrypt_tier,
             record: a.record.is_some(),
+            ..Settings::new(dram, &tier)
         }
-        .apply(&mut cmd);
+        .apply(&ready.preload, &mut cmd);
     }
     // If memtide itself is killed, the program is told to stop (as by a hang-up) rather than
     // run on unwatched.

@@ -1,8 +1,8 @@
-//! Starting a program under memtide: the environment the preload library reads (the other half
-//! of that contract is the preload crate's `Settings`), a private directory the program's
+//! Starting a program under memtide: the settings the preload library reads from the program's
+//! environment (both halves of that contract: [`Settings`]), a private directory the program's
 //! statistics are written to, and a parent-death signal, so that a program whose launcher is
 //! killed does not run on unwatched; and the launcher's own signal plumbing. Entry points:
-//! [`TierEnv::apply`], [`StatsDir::new`], [`die_with_parent`], [`forward_signals`],
+//! [`Settings::apply`], [`StatsDir::new`], [`die_with_parent`], [`forward_signals`],
 //! [`default_sigpipe`].
 
 use std::io;
@@ -15,19 +15,28 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use crate::uffd::Delivery;
 use crate::EvictionPolicy;
 
-/// The settings the preload library reads, as environment variables.
-pub struct TierEnv<'a> {
-    pub preload: &'a Path,
+/// What the engine in a launched program is told: one field per setting, written into the
+/// program's environment by the launcher ([`Settings::apply`]) and read back by the preload
+/// library ([`Settings::from_env`]). The variables' names live only here, beside both halves.
+/// Adding a setting is a field, a line in each half, and the flag that fills it.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// The DRAM quota (`MEMTIDE_DRAM`; without it memtide is off in the program).
     pub dram: u64,
-    pub tier: &'a Path,
+    /// Where tier 1 is created: a directory or a file name.
+    pub tier: PathBuf,
     pub tier_size: Option<u64>,
     /// The most the tier size may be raised to at run time (through [`TIER_FILE`]).
     pub tier_max: Option<u64>,
+    /// Allocations of at least this many bytes are managed.
     pub min_bytes: u64,
-    pub stats_dir: &'a Path,
+    /// Address space reserved for managed memory.
+    pub arena: u64,
+    /// Where the program's statistics (and memtide's words from inside it) go.
+    pub stats_dir: Option<PathBuf>,
     pub stats_interval_ms: u64,
     pub faults: Delivery,
-    /// Which pages leave DRAM (`MEMTIDE_POLICY`).
+    /// Which pages leave DRAM.
     pub policy: EvictionPolicy,
     pub encrypt_tier: bool,
     /// Record the pages each process brings into DRAM to `record-<pid>.raw` in the stats
@@ -38,42 +47,156 @@ pub struct TierEnv<'a> {
 /// Prefix of the raw recordings in the statistics directory (`record-<pid>.raw`).
 pub const RECORD_PREFIX: &str = "record-";
 
-impl TierEnv<'_> {
-    pub fn apply(&self, cmd: &mut Command) {
-        let mut preload = self.preload.as_os_str().to_owned();
-        if let Some(old) = std::env::var_os("LD_PRELOAD").filter(|v| !v.is_empty()) {
-            preload.push(" ");
-            preload.push(old);
+const DRAM: &str = "MEMTIDE_DRAM";
+const TIER: &str = "MEMTIDE_TIER";
+const TIER_SIZE: &str = "MEMTIDE_TIER_SIZE";
+const TIER_MAX: &str = "MEMTIDE_TIER_MAX";
+const MIN_BYTES: &str = "MEMTIDE_MIN_BYTES";
+const ARENA: &str = "MEMTIDE_ARENA";
+const STATS_DIR: &str = "MEMTIDE_STATS_DIR";
+const STATS_INTERVAL_MS: &str = "MEMTIDE_STATS_INTERVAL_MS";
+const FAULTS: &str = "MEMTIDE_FAULTS";
+const POLICY: &str = "MEMTIDE_POLICY";
+const ENCRYPT_TIER: &str = "MEMTIDE_ENCRYPT_TIER";
+const RECORD: &str = "MEMTIDE_RECORD";
+
+/// Allocations managed by default: 128 KiB and more.
+pub const DEFAULT_MIN_BYTES: u64 = 128 << 10;
+/// The smallest allocation memtide manages, whatever is asked: a page.
+const MIN_MIN_BYTES: u64 = 4096;
+/// Address space reserved for managed memory by default: 1 TiB.
+const DEFAULT_ARENA: u64 = 1 << 40;
+const DEFAULT_STATS_INTERVAL_MS: u64 = 1000;
+
+impl Settings {
+    /// Settings for a quota and a tier, everything else at its default.
+    pub fn new(dram: u64, tier: impl Into<PathBuf>) -> Settings {
+        Settings {
+            dram,
+            tier: tier.into(),
+            tier_size: None,
+            tier_max: None,
+            min_bytes: DEFAULT_MIN_BYTES,
+            arena: DEFAULT_ARENA,
+            stats_dir: None,
+            stats_interval_ms: DEFAULT_STATS_INTERVAL_MS,
+            faults: Delivery::Threads,
+            policy: EvictionPolicy::default(),
+            encrypt_tier: false,
+            record: false,
         }
-        cmd.env("LD_PRELOAD", preload)
-            .env("MEMTIDE_DRAM", self.dram.to_string())
-            .env("MEMTIDE_TIER", self.tier)
-            .env("MEMTIDE_MIN_BYTES", self.min_bytes.to_string())
-            .env("MEMTIDE_STATS_DIR", self.stats_dir)
-            .env(
-                "MEMTIDE_STATS_INTERVAL_MS",
-                self.stats_interval_ms.to_string(),
-            )
-            .env(
-                "MEMTIDE_FAULTS",
-                match self.faults {
-                    Delivery::Threads => "threads",
-                    Delivery::Signal => "signal",
-                },
-            );
+    }
+
+    /// Sets `cmd` up to run under memtide with these settings, the preload library at
+    /// `preload` going first.
+    pub fn apply(&self, preload: &Path, cmd: &mut Command) {
+        let mut libs = preload.as_os_str().to_owned();
+        if let Some(old) = std::env::var_os("LD_PRELOAD").filter(|v| !v.is_empty()) {
+            libs.push(" ");
+            libs.push(old);
+        }
+        cmd.env("LD_PRELOAD", libs)
+            .env(DRAM, self.dram.to_string())
+            .env(TIER, &self.tier)
+            .env(MIN_BYTES, self.min_bytes.to_string())
+            .env(STATS_INTERVAL_MS, self.stats_interval_ms.to_string())
+            .env(FAULTS, self.faults.name())
+            .env(POLICY, self.policy.name());
+        if self.arena != DEFAULT_ARENA {
+            cmd.env(ARENA, self.arena.to_string());
+        }
+        if let Some(d) = &self.stats_dir {
+            cmd.env(STATS_DIR, d);
+        }
         if let Some(t) = self.tier_size {
-            cmd.env("MEMTIDE_TIER_SIZE", t.to_string());
+            cmd.env(TIER_SIZE, t.to_string());
         }
         if let Some(t) = self.tier_max {
-            cmd.env("MEMTIDE_TIER_MAX", t.to_string());
+            cmd.env(TIER_MAX, t.to_string());
         }
-        cmd.env("MEMTIDE_POLICY", self.policy.name());
         if self.encrypt_tier {
-            cmd.env("MEMTIDE_ENCRYPT_TIER", "1");
+            cmd.env(ENCRYPT_TIER, "1");
         }
         if self.record {
-            cmd.env("MEMTIDE_RECORD", "1");
+            cmd.env(RECORD, "1");
         }
+    }
+
+    /// The statistics directory named in this process's environment, if any (read before
+    /// the rest, so that memtide's words go there from the start).
+    pub fn stats_dir_from_env() -> Option<PathBuf> {
+        std::env::var_os(STATS_DIR).map(PathBuf::from)
+    }
+
+    /// The settings in this process's environment: `None` when memtide is off here (no
+    /// quota) or the tier is missing. A value that does not parse is reported through `say`
+    /// and replaced by its default.
+    pub fn from_env(say: impl FnMut(String)) -> Option<Settings> {
+        Self::from_vars(|name| std::env::var(name).ok(), say)
+    }
+
+    /// [`from_env`](Self::from_env) over any source of variables.
+    fn from_vars(
+        var: impl Fn(&str) -> Option<String>,
+        mut say: impl FnMut(String),
+    ) -> Option<Settings> {
+        let mut size = |name: &str| -> Option<u64> {
+            let v = var(name)?;
+            match crate::size::parse(&v) {
+                Ok(n) => Some(n),
+                Err(e) => {
+                    say(format!("memtide: {name}: {e}"));
+                    None
+                }
+            }
+        };
+        let dram = size(DRAM)?;
+        let tier_size = size(TIER_SIZE);
+        let tier_max = size(TIER_MAX);
+        let min_bytes = size(MIN_BYTES)
+            .unwrap_or(DEFAULT_MIN_BYTES)
+            .max(MIN_MIN_BYTES);
+        let arena = size(ARENA).unwrap_or(DEFAULT_ARENA);
+        let Ok(tier) = var(TIER).ok_or(()) else {
+            say(format!(
+                "memtide: {TIER} is not set; running without tiering"
+            ));
+            return None;
+        };
+        let faults = match var(FAULTS).ok_or(()) {
+            Err(_) => Delivery::Threads,
+            Ok(name) => Delivery::from_name(&name).unwrap_or_else(|| {
+                say(format!(
+                    "memtide: {FAULTS}={name}: expected threads or signal; using threads"
+                ));
+                Delivery::Threads
+            }),
+        };
+        let policy = match var(POLICY).ok_or(()) {
+            Err(_) => EvictionPolicy::default(),
+            Ok(name) => EvictionPolicy::from_name(&name).unwrap_or_else(|| {
+                say(format!(
+                    "memtide: {POLICY}={name}: expected clock or placement; using clock"
+                ));
+                EvictionPolicy::default()
+            }),
+        };
+        Some(Settings {
+            dram,
+            tier: PathBuf::from(tier),
+            tier_size,
+            tier_max,
+            min_bytes,
+            arena,
+            stats_dir: var(STATS_DIR).map(PathBuf::from),
+            stats_interval_ms: var(STATS_INTERVAL_MS)
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(DEFAULT_STATS_INTERVAL_MS),
+            faults,
+            policy,
+            encrypt_tier: var(ENCRYPT_TIER).is_some_and(|v| v == "1"),
+            record: var(RECORD).is_some_and(|v| v == "1"),
+        })
     }
 }
 
@@ -230,4 +353,70 @@ pub fn forward_signals(pid: u32) {
 pub fn default_sigpipe() {
     // SAFETY: setting a signal disposition.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    /// The variables `apply` sets on a command, as `from_vars` reads them.
+    fn round_trip(s: &Settings) -> (Option<Settings>, Vec<String>) {
+        let mut cmd = Command::new("true");
+        s.apply(Path::new("/lib/libmemtide_preload.so"), &mut cmd);
+        let vars: HashMap<String, String> = cmd
+            .get_envs()
+            .filter_map(|(k, v)| Some((k.to_str()?.to_owned(), v?.to_str()?.to_owned())))
+            .collect();
+        let mut said = Vec::new();
+        let back = Settings::from_vars(|k| vars.get(k).cloned(), |l| said.push(l));
+        (back, said)
+    }
+
+    #[test]
+    fn what_the_launcher_writes_the_library_reads_back() {
+        let plain = Settings::new(64 << 20, "/var/tmp");
+        let full = Settings {
+            tier_size: Some(1 << 30),
+            tier_max: Some(2 << 30),
+            min_bytes: 16 << 10,
+            arena: 1 << 36,
+            stats_dir: Some(PathBuf::from("/tmp/memtide-stats")),
+            stats_interval_ms: 250,
+            faults: Delivery::Signal,
+            policy: EvictionPolicy::Placement,
+            encrypt_tier: true,
+            record: true,
+            ..Settings::new(3 << 30, "/var/tmp/t.tier")
+        };
+        for s in [plain, full] {
+            let (back, said) = round_trip(&s);
+            assert!(said.is_empty(), "{said:?}");
+            assert_eq!(format!("{:?}", back.unwrap()), format!("{s:?}"));
+        }
+    }
+
+    #[test]
+    fn a_setting_that_does_not_parse_is_said_and_defaulted() {
+        let vars: HashMap<&str, &str> = [
+            (DRAM, "64MiB"),
+            (TIER, "/var/tmp"),
+            (MIN_BYTES, "lots"),
+            (FAULTS, "carrier-pigeon"),
+        ]
+        .into();
+        let mut said = Vec::new();
+        let s =
+            Settings::from_vars(|k| vars.get(k).map(|v| v.to_string()), |l| said.push(l)).unwrap();
+        assert_eq!(s.min_bytes, DEFAULT_MIN_BYTES);
+        assert_eq!(s.faults, Delivery::Threads);
+        assert_eq!(said.len(), 2, "{said:?}");
+        assert!(
+            said[0].starts_with("memtide: MEMTIDE_MIN_BYTES:"),
+            "{said:?}"
+        );
+        // No quota: memtide is off, silently.
+        assert!(Settings::from_vars(|_| None, |l| said.push(l)).is_none());
+        assert_eq!(said.len(), 2);
+    }
 }

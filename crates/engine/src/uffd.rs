@@ -34,6 +34,24 @@ pub enum Delivery {
     Signal,
 }
 
+impl Delivery {
+    /// The name `--faults` and the launched program's settings use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Delivery::Threads => "threads",
+            Delivery::Signal => "signal",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Delivery> {
+        match name {
+            "threads" => Some(Delivery::Threads),
+            "signal" => Some(Delivery::Signal),
+            _ => None,
+        }
+    }
+}
+
 /// A page fault read from the userfaultfd.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PageFault {

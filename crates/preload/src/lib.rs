@@ -16,7 +16,8 @@ use std::alloc::{GlobalAlloc, Layout};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, AtomicUsize, Ordering};
 
-use memtide_engine::{launch, say, size, Config, Delivery, Engine, EvictionPolicy};
+use memtide_engine::launch::{self, Settings};
+use memtide_engine::{say, Config, Delivery, Engine};
 
 extern "C" {
     pub(crate) fn __libc_malloc(size: usize) -> *mut libc::c_void;
@@ -80,21 +81,6 @@ unsafe impl GlobalAlloc for LibcAlloc {
 
 #[global_allocator]
 static GLOBAL: LibcAlloc = LibcAlloc;
-
-/// Settings read from the environment at load time.
-struct Settings {
-    dram: u64,
-    tier: PathBuf,
-    tier_size: Option<u64>,
-    tier_max: Option<u64>,
-    arena: u64,
-    stats_dir: Option<PathBuf>,
-    stats_interval_ms: u64,
-    faults: Delivery,
-    policy: EvictionPolicy,
-    encrypt_tier: bool,
-    record: bool,
-}
 
 const OFF: u8 = 0;
 const IDLE: u8 = 1;
@@ -177,73 +163,22 @@ fn engine_or_start() -> Option<&'static Engine> {
     }
 }
 
-fn env_size(name: &str) -> Option<u64> {
-    let v = std::env::var(name).ok()?;
-    match size::parse(&v) {
-        Ok(n) => Some(n),
-        Err(e) => {
-            say::line(&format!("memtide: {name}: {e}"));
-            None
-        }
-    }
-}
-
 /// Reads the settings; called once from the library's constructor.
 fn load_settings() {
     // memtide's words go to the launcher from here on, never into the program's stderr.
-    if let Some(dir) = std::env::var_os("MEMTIDE_STATS_DIR") {
-        say::to_file(std::path::Path::new(&dir));
+    if let Some(dir) = Settings::stats_dir_from_env() {
+        say::to_file(&dir);
     }
-    let Some(dram) = env_size("MEMTIDE_DRAM") else {
+    let Some(s) = Settings::from_env(|line| say::line(&line)) else {
         return;
     };
-    let Ok(tier) = std::env::var("MEMTIDE_TIER") else {
-        say::line("memtide: MEMTIDE_TIER is not set; running without tiering");
-        return;
-    };
-    let threshold = env_size("MEMTIDE_MIN_BYTES").unwrap_or(128 << 10).max(4096);
-    THRESHOLD.store(threshold as usize, Ordering::Release);
+    THRESHOLD.store(s.min_bytes as usize, Ordering::Release);
     IO_CHUNK.store(
-        ((dram / 4).clamp(64 << 10, 8 << 20)) as usize,
+        ((s.dram / 4).clamp(64 << 10, 8 << 20)) as usize,
         Ordering::Release,
     );
-    let faults = match std::env::var("MEMTIDE_FAULTS").as_deref() {
-        Ok("signal") => Delivery::Signal,
-        Ok("threads") | Err(_) => Delivery::Threads,
-        Ok(other) => {
-            say::line(&format!(
-                "memtide: MEMTIDE_FAULTS={other}: expected threads or signal; using threads"
-            ));
-            Delivery::Threads
-        }
-    };
-    SIGNAL_FAULTS.store(faults == Delivery::Signal, Ordering::Release);
-    let policy = match std::env::var("MEMTIDE_POLICY") {
-        Err(_) => EvictionPolicy::default(),
-        Ok(name) => EvictionPolicy::from_name(&name).unwrap_or_else(|| {
-            say::line(&format!(
-                "memtide: MEMTIDE_POLICY={name}: expected clock or placement; using clock"
-            ));
-            EvictionPolicy::default()
-        }),
-    };
-    let settings = Box::new(Settings {
-        dram,
-        tier: PathBuf::from(tier),
-        tier_size: env_size("MEMTIDE_TIER_SIZE"),
-        tier_max: env_size("MEMTIDE_TIER_MAX"),
-        arena: env_size("MEMTIDE_ARENA").unwrap_or(1 << 40),
-        stats_dir: std::env::var_os("MEMTIDE_STATS_DIR").map(PathBuf::from),
-        stats_interval_ms: std::env::var("MEMTIDE_STATS_INTERVAL_MS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(1000),
-        faults,
-        policy,
-        encrypt_tier: std::env::var("MEMTIDE_ENCRYPT_TIER").is_ok_and(|v| v == "1"),
-        record: std::env::var("MEMTIDE_RECORD").is_ok_and(|v| v == "1"),
-    });
-    SETTINGS.store(Box::into_raw(settings), Ordering::Release);
+    SIGNAL_FAULTS.store(s.faults == Delivery::Signal, Ordering::Release);
+    SETTINGS.store(Box::into_raw(Box::new(s)), Ordering::Release);
     STATE.store(IDLE, Ordering::Release);
 }
 

@@ -617,10 +617,7 @@ impl Engine {
             scan_cpu_seconds: r(&c.scan_cpu_ns) as f64 / 1e9,
             evict_cpu_seconds: r(&c.evict_cpu_ns) as f64 / 1e9,
             tier: self.tier.describe(),
-            faults: match self.uffd.delivery() {
-                Delivery::Threads => "threads".into(),
-                Delivery::Signal => "signal".into(),
-            },
+            faults: self.uffd.delivery().name().into(),
             warnings: self.warnings.lock().map(|w| w.clone()).unwrap_or_default(),
         }
     }
