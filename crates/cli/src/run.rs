@@ -94,6 +94,11 @@ pub struct RunArgs {
     /// Print no summary at exit, and of memtide's messages only fatal ones.
     #[arg(long, short)]
     pub quiet: bool,
+    /// Write memtide's own words once the program has started (its warnings, those from inside
+    /// the program's processes, the summary) to FILE, appended, instead of memtide's stderr.
+    /// The program's streams are its own either way.
+    #[arg(long, value_name = "FILE")]
+    pub log: Option<PathBuf>,
     /// The program and its arguments (after `--`).
     #[arg(required = true, trailing_var_arg = true, value_name = "PROGRAM")]
     pub command: Vec<String>,
@@ -406,9 +411,23 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     // If memtide itself is killed, the program is told to stop (as by a hang-up) rather than
     // run on unwatched.
     die_with_parent(&mut cmd, libc::SIGTERM);
+    let log = match &a.log {
+        Some(p) => Some(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .with_context(|| format!("cannot open the log {}", p.display()))?,
+        ),
+        None => None,
+    };
     let mut child = cmd
         .spawn()
         .with_context(|| format!("cannot start {program}"))?;
+    if let Some(f) = &log {
+        // The program has the stderr it was given; from here on memtide's own goes to the log.
+        launch::stderr_to(f).context("cannot send memtide's messages to the log")?;
+    }
     let child_pid = child.id();
     forward_signals(child_pid);
     let done = Arc::new(AtomicBool::new(false));

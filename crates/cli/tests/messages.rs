@@ -64,3 +64,83 @@ fn a_childs_stderr_holds_only_what_the_child_wrote() {
         }
     }
 }
+
+/// With `--log FILE`, memtide's own words (the fork warning from inside the program, the
+/// summary) go to the file, appended, and its stderr carries only what the program wrote.
+#[test]
+fn with_log_memtides_words_go_to_the_file_and_stderr_is_the_programs() {
+    require("python3");
+    let s = Scratch::new("messages-log");
+    let script = s.path().join("fork.py");
+    std::fs::write(
+        &script,
+        r#"
+import os, sys
+b = bytearray(8 << 20)
+b[::4096] = b"x" * (len(b) // 4096)
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if b[4096] == ord("x") else 1)
+os.waitpid(pid, 0)
+sys.stderr.write("the program's own words\n")
+"#,
+    )
+    .unwrap();
+    let log = s.path().join("memtide.log");
+    std::fs::write(&log, "an earlier line\n").unwrap();
+    let out = output_within(
+        memtide()
+            .args(["run", "--dram", "4MiB", "--tier"])
+            .arg(s.path())
+            .arg("--log")
+            .arg(&log)
+            .args(["--", "python3"])
+            .arg(&script),
+        Duration::from_secs(120),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(stderr(&out), "the program's own words\n");
+    let logged = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        logged.starts_with("an earlier line\n"),
+        "appended: {logged}"
+    );
+    assert_eq!(
+        logged
+            .lines()
+            .filter(|l| l.starts_with("memtide: warning: the program forked"))
+            .count(),
+        1,
+        "{logged}"
+    );
+    assert!(
+        logged
+            .lines()
+            .any(|l| l.starts_with("memtide: python3 exited")),
+        "the summary: {logged}"
+    );
+    // A log that cannot be opened is one line and nothing runs.
+    let ran = s.path().join("ran");
+    let out = output_within(
+        memtide()
+            .args([
+                "run",
+                "--dram",
+                "4MiB",
+                "--log",
+                "/nonexistent/dir/x.log",
+                "--",
+            ])
+            .args(["python3", "-c"])
+            .arg(format!("open({:?}, 'w')", ran.display().to_string())),
+        Duration::from_secs(60),
+    );
+    assert!(!ran.exists(), "the program must not start");
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("cannot open the log /nonexistent/dir/x.log"),
+        "{err}"
+    );
+}
