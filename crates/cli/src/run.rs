@@ -284,8 +284,31 @@ fn pinned_report(pid: u32) -> TenantReport {
     }
 }
 
+/// A note of memtide's before the program starts: to the log if there is one (memtide's
+/// stderr goes there once the program runs), else to stderr.
+fn note(log: Option<&std::fs::File>, line: &str) {
+    match log {
+        Some(mut f) => {
+            use std::io::Write;
+            let _ = writeln!(f, "{line}");
+        }
+        None => eprintln!("{line}"),
+    }
+}
+
 pub fn run(a: RunArgs) -> Result<ExitCode> {
     let program = &a.command[0];
+    // Opened first: a log that cannot be written ends here, before anything else happens.
+    let log = match &a.log {
+        Some(p) => Some(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .with_context(|| format!("cannot open the log {}", p.display()))?,
+        ),
+        None => None,
+    };
     let name = a.name.clone().unwrap_or_else(|| {
         Path::new(program)
             .file_name()
@@ -350,9 +373,12 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     } else {
         let ready = preflight::check(dram, &tier, tier_size, program)?;
         if ready.buffered_tier {
-            eprintln!(
-                "memtide: note: {} has no O_DIRECT; tier 1 will use buffered I/O",
-                tier.display()
+            note(
+                log.as_ref(),
+                &format!(
+                    "memtide: note: {} has no O_DIRECT; tier 1 will use buffered I/O",
+                    tier.display()
+                ),
             );
         }
         Some(ready)
@@ -387,7 +413,10 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
                 history: None,
             },
         )?;
-        eprintln!("memtide: metrics at http://{bound}/metrics");
+        note(
+            log.as_ref(),
+            &format!("memtide: metrics at http://{bound}/metrics"),
+        );
     }
     let mut stats_dir = StatsDir::new().context("cannot create a directory for the statistics")?;
     let interval_ms = (a.stats_interval * 1000.0).max(50.0) as u64;
@@ -411,16 +440,6 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     // If memtide itself is killed, the program is told to stop (as by a hang-up) rather than
     // run on unwatched.
     die_with_parent(&mut cmd, libc::SIGTERM);
-    let log = match &a.log {
-        Some(p) => Some(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(p)
-                .with_context(|| format!("cannot open the log {}", p.display()))?,
-        ),
-        None => None,
-    };
     let mut child = cmd
         .spawn()
         .with_context(|| format!("cannot start {program}"))?;

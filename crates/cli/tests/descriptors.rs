@@ -126,3 +126,42 @@ fn a_program_closing_every_descriptor_keeps_memtide_working() {
         );
     }
 }
+
+/// A child forked without exec serves no engine: the descriptors it inherited are its to
+/// close, as natively, so closing everything leaves it none of memtide's (and none holding the
+/// parent's tier file).
+#[test]
+fn a_forked_child_closes_what_it_inherited() {
+    require("python3");
+    let s = Scratch::new("descriptors-fork");
+    let script = s.path().join("fork.py");
+    std::fs::write(
+        &script,
+        r#"
+import os
+b = bytearray(32 << 20)
+for i in range(0, len(b), 4096):
+    b[i] = 1
+pid = os.fork()
+if pid == 0:
+    os.closerange(3, 1 << 20)
+    left = sorted(int(x) for x in os.listdir("/proc/self/fd"))
+    print("child keeps", left, "sum", sum(b[i] for i in range(0, len(b), 4096)), flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+"#,
+    )
+    .unwrap();
+    let native = natively(std::process::Command::new("python3").arg(&script));
+    assert!(native.starts_with("child keeps [0, 1, 2"), "{native}");
+    let out = output_within(
+        memtide()
+            .args(["run", "-q", "--dram", "8MiB", "--tier"])
+            .arg(s.path())
+            .args(["--", "python3"])
+            .arg(&script),
+        Duration::from_secs(120),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(String::from_utf8_lossy(&out.stdout), native);
+}

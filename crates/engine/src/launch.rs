@@ -5,6 +5,7 @@
 //! [`Settings::apply`], [`StatsDir::new`], [`die_with_parent`], [`forward_signals`],
 //! [`default_sigpipe`].
 
+use std::ffi::OsString;
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
@@ -102,23 +103,23 @@ impl Settings {
             .env(STATS_INTERVAL_MS, self.stats_interval_ms.to_string())
             .env(FAULTS, self.faults.name())
             .env(POLICY, self.policy.name());
-        if self.arena != DEFAULT_ARENA {
-            cmd.env(ARENA, self.arena.to_string());
-        }
-        if let Some(d) = &self.stats_dir {
-            cmd.env(STATS_DIR, d);
-        }
-        if let Some(t) = self.tier_size {
-            cmd.env(TIER_SIZE, t.to_string());
-        }
-        if let Some(t) = self.tier_max {
-            cmd.env(TIER_MAX, t.to_string());
-        }
-        if self.encrypt_tier {
-            cmd.env(ENCRYPT_TIER, "1");
-        }
-        if self.record {
-            cmd.env(RECORD, "1");
+        // What is not set here must not come from the launcher's own environment either.
+        let optional = [
+            (
+                ARENA,
+                (self.arena != DEFAULT_ARENA).then(|| self.arena.to_string().into()),
+            ),
+            (STATS_DIR, self.stats_dir.clone().map(OsString::from)),
+            (TIER_SIZE, self.tier_size.map(|t| t.to_string().into())),
+            (TIER_MAX, self.tier_max.map(|t| t.to_string().into())),
+            (ENCRYPT_TIER, self.encrypt_tier.then(|| "1".into())),
+            (RECORD, self.record.then(|| "1".into())),
+        ];
+        for (name, value) in optional {
+            match value {
+                Some(v) => cmd.env(name, v),
+                None => cmd.env_remove(name),
+            };
         }
     }
 
@@ -132,16 +133,19 @@ impl Settings {
     /// quota) or the tier is missing. A value that does not parse is reported through `say`
     /// and replaced by its default.
     pub fn from_env(say: impl FnMut(String)) -> Option<Settings> {
-        Self::from_vars(|name| std::env::var(name).ok(), say)
+        Self::from_vars(|name| std::env::var_os(name), say)
     }
 
-    /// [`from_env`](Self::from_env) over any source of variables.
+    /// [`from_env`](Self::from_env) over any source of variables. Read in the order a
+    /// program's start needs them: the quota and the tier first (without them memtide is off
+    /// and nothing else is said), then the rest.
     fn from_vars(
-        var: impl Fn(&str) -> Option<String>,
+        var: impl Fn(&str) -> Option<OsString>,
         mut say: impl FnMut(String),
     ) -> Option<Settings> {
+        let text = |name: &str| var(name).and_then(|v| v.into_string().ok());
         let mut size = |name: &str| -> Option<u64> {
-            let v = var(name)?;
+            let v = text(name)?;
             match crate::size::parse(&v) {
                 Ok(n) => Some(n),
                 Err(e) => {
@@ -151,30 +155,30 @@ impl Settings {
             }
         };
         let dram = size(DRAM)?;
-        let tier_size = size(TIER_SIZE);
-        let tier_max = size(TIER_MAX);
-        let min_bytes = size(MIN_BYTES)
-            .unwrap_or(DEFAULT_MIN_BYTES)
-            .max(MIN_MIN_BYTES);
-        let arena = size(ARENA).unwrap_or(DEFAULT_ARENA);
-        let Ok(tier) = var(TIER).ok_or(()) else {
+        let Some(tier) = var(TIER) else {
             say(format!(
                 "memtide: {TIER} is not set; running without tiering"
             ));
             return None;
         };
-        let faults = match var(FAULTS).ok_or(()) {
-            Err(_) => Delivery::Threads,
-            Ok(name) => Delivery::from_name(&name).unwrap_or_else(|| {
+        let min_bytes = size(MIN_BYTES)
+            .unwrap_or(DEFAULT_MIN_BYTES)
+            .max(MIN_MIN_BYTES);
+        let tier_size = size(TIER_SIZE);
+        let tier_max = size(TIER_MAX);
+        let arena = size(ARENA).unwrap_or(DEFAULT_ARENA);
+        let faults = match text(FAULTS) {
+            None => Delivery::Threads,
+            Some(name) => Delivery::from_name(&name).unwrap_or_else(|| {
                 say(format!(
                     "memtide: {FAULTS}={name}: expected threads or signal; using threads"
                 ));
                 Delivery::Threads
             }),
         };
-        let policy = match var(POLICY).ok_or(()) {
-            Err(_) => EvictionPolicy::default(),
-            Ok(name) => EvictionPolicy::from_name(&name).unwrap_or_else(|| {
+        let policy = match text(POLICY) {
+            None => EvictionPolicy::default(),
+            Some(name) => EvictionPolicy::from_name(&name).unwrap_or_else(|| {
                 say(format!(
                     "memtide: {POLICY}={name}: expected clock or placement; using clock"
                 ));
@@ -189,13 +193,13 @@ impl Settings {
             min_bytes,
             arena,
             stats_dir: var(STATS_DIR).map(PathBuf::from),
-            stats_interval_ms: var(STATS_INTERVAL_MS)
+            stats_interval_ms: text(STATS_INTERVAL_MS)
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(DEFAULT_STATS_INTERVAL_MS),
             faults,
             policy,
-            encrypt_tier: var(ENCRYPT_TIER).is_some_and(|v| v == "1"),
-            record: var(RECORD).is_some_and(|v| v == "1"),
+            encrypt_tier: text(ENCRYPT_TIER).is_some_and(|v| v == "1"),
+            record: text(RECORD).is_some_and(|v| v == "1"),
         })
     }
 }
@@ -375,12 +379,24 @@ mod tests {
     fn round_trip(s: &Settings) -> (Option<Settings>, Vec<String>) {
         let mut cmd = Command::new("true");
         s.apply(Path::new("/lib/libmemtide_preload.so"), &mut cmd);
-        let vars: HashMap<String, String> = cmd
+        let vars: HashMap<String, Option<OsString>> = cmd
             .get_envs()
-            .filter_map(|(k, v)| Some((k.to_str()?.to_owned(), v?.to_str()?.to_owned())))
+            .map(|(k, v)| (k.to_str().unwrap().to_owned(), v.map(OsString::from)))
             .collect();
+        for name in [DRAM, TIER, MIN_BYTES, STATS_INTERVAL_MS, FAULTS, POLICY] {
+            assert!(
+                matches!(vars.get(name), Some(Some(_))),
+                "{name} is always set"
+            );
+        }
+        for name in [ARENA, STATS_DIR, TIER_SIZE, TIER_MAX, ENCRYPT_TIER, RECORD] {
+            assert!(
+                vars.contains_key(name),
+                "{name} is set or removed, never inherited"
+            );
+        }
         let mut said = Vec::new();
-        let back = Settings::from_vars(|k| vars.get(k).cloned(), |l| said.push(l));
+        let back = Settings::from_vars(|k| vars.get(k).cloned().flatten(), |l| said.push(l));
         (back, said)
     }
 
@@ -417,8 +433,7 @@ mod tests {
         ]
         .into();
         let mut said = Vec::new();
-        let s =
-            Settings::from_vars(|k| vars.get(k).map(|v| v.to_string()), |l| said.push(l)).unwrap();
+        let s = Settings::from_vars(|k| vars.get(k).map(OsString::from), |l| said.push(l)).unwrap();
         assert_eq!(s.min_bytes, DEFAULT_MIN_BYTES);
         assert_eq!(s.faults, Delivery::Threads);
         assert_eq!(said.len(), 2, "{said:?}");

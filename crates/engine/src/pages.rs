@@ -53,10 +53,15 @@ const PIN_ONE: u32 = 1 << PIN_SHIFT;
 const PIN_MASK: u32 = 0xFF << PIN_SHIFT;
 const HIST_SHIFT: u32 = 16;
 const HIST_MASK: u32 = 0xFF << HIST_SHIFT;
-/// How many times in a row the CLOCK sweep found the page in use
-/// ([`memtide_policy::clock::MAX_PROVEN`]); cleared whenever the page leaves DRAM.
+/// How many times in a row the page was touched while inactive, unmapped by the CLOCK sweep
+/// or by the active-memory sample ([`memtide_policy::clock::MAX_PROVEN`]); cleared when the
+/// page leaves DRAM or is put back untouched.
 const PROVEN_SHIFT: u32 = 24;
 const PROVEN_MASK: u32 = 0x3 << PROVEN_SHIFT;
+const _: () = assert!(
+    memtide_policy::clock::MAX_PROVEN <= 3,
+    "two bits hold the count"
+);
 
 /// Flag in a block length: the block was allocated through the malloc family.
 const MALLOC_BLOCK: u32 = 1 << 31;
@@ -282,8 +287,8 @@ impl PageTable {
             .is_ok()
     }
 
-    /// Counts one more time in a row that page `i`, ours (`Busy`), was found in use by the
-    /// sweep's test (touched while inactive), up to [`memtide_policy::clock::MAX_PROVEN`].
+    /// Counts one more time in a row that page `i`, ours (`Busy`), was found in use while
+    /// inactive, up to [`memtide_policy::clock::MAX_PROVEN`].
     pub fn prove(&self, i: usize) {
         let word = self.word(i);
         let mut cur = word.load(Ordering::Acquire);
@@ -296,6 +301,11 @@ impl PageTable {
                 Err(c) => cur = c,
             }
         }
+    }
+
+    /// Page `i`, ours (`Busy`), was tested and not found in use: it starts again at 0.
+    pub fn unprove(&self, i: usize) {
+        self.word(i).fetch_and(!PROVEN_MASK, Ordering::AcqRel);
     }
 
     /// Marks page `i` as protected by the program (or no longer), whatever its state.
@@ -363,6 +373,15 @@ mod tests {
         t.claim(0, State::Mapped, false).unwrap();
         t.publish(0, State::Writing, None);
         assert_eq!(t.load(0).proven(), max);
+        t.publish(0, State::Staged, None);
+        t.claim(0, State::Staged, false).unwrap();
+        t.unprove(0);
+        t.publish(0, State::Mapped, None);
+        assert_eq!(t.load(0).proven(), 0, "put back untouched: it starts again");
+        assert!(t.claim(0, State::Staged, false).is_none());
+        t.claim(0, State::Mapped, false).unwrap();
+        t.prove(0);
+        t.publish(0, State::Writing, None);
         t.publish(0, State::Evicted, None);
         assert_eq!(t.load(0).proven(), 0, "leaving DRAM clears it");
         t.claim(0, State::Evicted, false).unwrap();

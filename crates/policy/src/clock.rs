@@ -6,8 +6,9 @@
 
 use crate::{Activeness, Watermarks};
 
-/// The most times in a row a page is counted as found in use by the sweep's test (unmapped
-/// into the inactive list, then touched there). A page found in use `k` times in a row is
+/// The most times in a row a page is counted as found in use when tested (unmapped into the
+/// inactive list, by the sweep or the engine's active-memory sample, then touched there; a
+/// page put back untouched starts again at 0). A page found in use `k` times in a row is
 /// tested again only every `2^k`-th pass of the hand, and spared on the others. Without this,
 /// a page the hand has just tested and found used is unmapped again at the next pass, and a
 /// hot page costs a hint fault per pass: a guest's hot memory, touched through mappings the
@@ -108,9 +109,9 @@ pub struct Clock {
 
 impl Clock {
     /// Moves the hand over the pages until `want` of them were taken, or the hand went round
-    /// `MAX_IDLE + 1 + 2^MAX_PROVEN` times (each pass that comes up short lowers the bar; a
-    /// page proven in use is spared on all but one of `2^proven` passes). Returns how many
-    /// pages were taken.
+    /// `MAX_IDLE + 1` times (each pass that comes up short lowers the bar), `2^MAX_PROVEN`
+    /// more once it has spared a page (a page proven in use is spared on all but one of
+    /// `2^proven` passes). Returns how many pages were taken.
     pub fn deactivate(&mut self, pages: &mut impl SweepPages, want: usize) -> usize {
         let n = pages.extent();
         if want == 0 || n == 0 {
@@ -119,8 +120,11 @@ impl Clock {
         self.sweep.want(want as u64);
         let mut taken = 0;
         let mut scanned = 0;
-        let passes = Sweep::MAX_IDLE as usize + 1 + (1 << MAX_PROVEN);
-        while taken < want && scanned < n * passes {
+        // Passes that come up short lower the bar; passes that spare proven pages may take
+        // up to 2^MAX_PROVEN more to reach pages due a test.
+        let mut limit = n * (Sweep::MAX_IDLE as usize + 1);
+        let mut spared = false;
+        while taken < want && scanned < limit {
             if self.hand >= n {
                 self.hand = 0;
                 self.passes = self.passes.wrapping_add(1);
@@ -131,8 +135,15 @@ impl Clock {
             scanned += 1;
             if let Some(h) = pages.candidate(i) {
                 // A spared page counts as found: the bar measures idleness, not standing.
-                if self.sweep.take(h) && !self.spares(pages.proven(i), i) && pages.take(i) {
-                    taken += 1;
+                if self.sweep.take(h) {
+                    if self.spares(pages.proven(i), i) {
+                        if !spared {
+                            spared = true;
+                            limit += n << MAX_PROVEN;
+                        }
+                    } else if pages.take(i) {
+                        taken += 1;
+                    }
                 }
             }
         }

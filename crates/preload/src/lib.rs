@@ -242,13 +242,27 @@ extern "C" fn before_fork() {
     }
 }
 
+/// In a child forked without exec the engine serves nothing: the descriptors it inherited
+/// are the program's to close like any other (they keep the parent's tier file allocated).
+extern "C" fn in_fork_child() {
+    memtide_engine::fds::forget_all();
+}
+
 extern "C" fn init() {
+    // Resolve libc's close now: memtide's own fatal path closes a file, and must not be the
+    // first to call dlsym (not async-signal-safe) from a signal handler.
+    // SAFETY: closing no descriptor fails with EBADF; errno is put back as it was.
+    unsafe {
+        let errno = *libc::__errno_location();
+        overrides::close(-1);
+        *libc::__errno_location() = errno;
+    }
     load_settings();
     if STATE.load(Ordering::Acquire) == IDLE {
         // SAFETY: registering plain extern "C" callbacks with the C runtime.
         unsafe {
             libc::atexit(at_exit);
-            libc::pthread_atfork(Some(before_fork), None, None);
+            libc::pthread_atfork(Some(before_fork), None, Some(in_fork_child));
         }
     }
 }

@@ -235,6 +235,8 @@ impl Engine {
                 self.unstage(p, s, old, "putting back an inactive page failed");
                 self.pt.set_stage(p, NONE);
                 self.ring.staged.fetch_sub(1, Ordering::AcqRel);
+                // Unmapped and untouched until now: not in use, whatever it was before.
+                self.pt.unprove(p);
                 self.pt.publish(p, State::Mapped, None);
                 Counters::bump(&self.counters.reactivations);
                 pos += 1;

@@ -527,6 +527,7 @@ impl Engine {
                     "putting back a page tier 1 refused failed",
                 );
                 self.pt.set_stage(p, NONE);
+                self.pt.unprove(p);
                 self.pt.publish(p, State::Mapped, None);
                 continue;
             }

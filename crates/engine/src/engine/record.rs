@@ -37,7 +37,7 @@ pub struct Recorder {
     dropped: AtomicU64,
     written: AtomicU64,
     start_ns: u64,
-    out: Mutex<Option<std::fs::File>>,
+    out: Mutex<Option<crate::fds::Lifted<std::fs::File>>>,
     path: PathBuf,
 }
 
@@ -53,7 +53,7 @@ impl Recorder {
             dropped: AtomicU64::new(0),
             written: AtomicU64::new(0),
             start_ns,
-            out: Mutex::new(Some(file)),
+            out: Mutex::new(Some(crate::fds::lift_file(file))),
             path: path.to_path_buf(),
         })
     }

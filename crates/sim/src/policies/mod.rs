@@ -205,6 +205,10 @@ const STAGED: u8 = 3;
 /// the page leaves DRAM.
 const PROVEN_SHIFT: u8 = 4;
 const PROVEN: u8 = 3 << PROVEN_SHIFT;
+const _: () = assert!(
+    memtide_policy::clock::MAX_PROVEN <= 3,
+    "two bits hold the count"
+);
 
 fn proven_once_more(state: u8) -> u8 {
     let k = ((state & PROVEN) >> PROVEN_SHIFT) + 1;
