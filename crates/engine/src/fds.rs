@@ -12,7 +12,7 @@ use std::ops::{Deref, DerefMut};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicI32, Ordering};
 
-/// Most descriptors memtide records (it holds about a dozen).
+/// Most descriptors memtide records (it holds 4 + one read ring per CPU, at most 12).
 const SLOTS: usize = 32;
 
 /// memtide's descriptors; -1 marks a free slot. Read by the preload library's `close` wrappers,

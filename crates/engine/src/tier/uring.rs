@@ -27,8 +27,13 @@ use memtide_policy::PAGE_SIZE;
 
 use super::{Backend, FileTier, ReadError};
 
-/// Rings for reads from the fault path.
-const READ_RINGS: usize = 8;
+/// Rings for reads from the fault path: one per CPU this process may run on (that many
+/// handler threads read at once under the default delivery), at least 2, at most 8. Each is a
+/// descriptor of memtide's in the program; a thread that finds them all busy reads with
+/// `pread`, which costs the same at one read in flight.
+fn read_rings() -> usize {
+    crate::threads::allowed_cpus().map_or(8, |c| c.len().clamp(2, 8))
+}
 
 struct ReadRing {
     /// Taken by the thread using the ring; never given back once the ring is retired.
@@ -65,8 +70,9 @@ impl UringTier {
             Ok(r) => r,
             Err(e) => return Err((file, e)),
         };
-        let mut read_rings = Vec::with_capacity(READ_RINGS);
-        for _ in 0..READ_RINGS {
+        let n = read_rings();
+        let mut read_rings = Vec::with_capacity(n);
+        for _ in 0..n {
             match IoUring::new(8).and_then(fds::lift_ring) {
                 Ok(r) => read_rings.push(ReadRing {
                     busy: AtomicBool::new(false),
@@ -84,6 +90,11 @@ impl UringTier {
             lose_waits: AtomicU32::new(0),
             lose_write_ms: AtomicU64::new(0),
         })
+    }
+
+    /// Rings for reads (retired ones included).
+    pub fn read_ring_count(&self) -> usize {
+        self.read_rings.len()
     }
 
     /// For tests: the next `n` read waits fail with EIO after submitting their read.
