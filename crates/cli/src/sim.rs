@@ -11,7 +11,7 @@ use clap::Args;
 use memtide_engine::size;
 use memtide_sim::import::{self, Format};
 use memtide_sim::trace::{Record, Writer};
-use memtide_sim::{simulate, Job, Latency, Outcome, Source, Spec, ALL_POLICIES, KNOWN_POLICIES};
+use memtide_sim::{corpus, simulate, Job, Latency, Source, Spec, ALL_POLICIES, KNOWN_POLICIES};
 
 use memtide_bench::opts;
 
@@ -444,21 +444,8 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The corpus `--corpus` replays: (family, parameters).
-const CORPUS: [&str; 12] = [
-    "zipf:skew=0.6",
-    "zipf:skew=0.8",
-    "zipf:skew=0.99",
-    "zipf:skew=1.2",
-    "hotcold:hot=20%,share=90%",
-    "hotcold:hot=5%,share=95%",
-    "hotcold:hot=50%,share=80%",
-    "active:active=20%,cold=0.5%",
-    "active:active=50%,cold=2%,skew=0",
-    "phases:hot=10%,share=90%,phases=4",
-    "scan:hot=20%,share=90%",
-    "uniform",
-];
+/// The engine's smallest DRAM quota, in pages (64 KiB).
+const ENGINE_MIN_PAGES: u64 = 16;
 
 /// A corpus row's workload without its size (the same on every row): the text before
 /// ", N pages", cut to the column's width.
@@ -474,59 +461,6 @@ fn short_label(label: &str) -> String {
     label[..end].chars().take(44).collect()
 }
 
-/// The engine's smallest DRAM quota, in pages (64 KiB).
-const ENGINE_MIN_PAGES: u64 = 16;
-
-/// The online policies memtide's is measured against: each sees every access.
-const ONLINE: [&str; 6] = ["lru", "clock", "arc", "2q", "s3fifo", "sieve"];
-
-/// The mean of `xs` and its standard error (0 for fewer than two values).
-fn mean_and_standard_error(xs: &[f64]) -> (f64, f64) {
-    let n = xs.len() as f64;
-    let mean = xs.iter().sum::<f64>() / n.max(1.0);
-    if xs.len() < 2 {
-        return (mean, 0.0);
-    }
-    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0);
-    (mean, (var / n).sqrt())
-}
-
-/// Misses `m` against `best`'s, as a ratio (1 when both are 0).
-fn vs(m: u64, best: u64) -> f64 {
-    match (m, best) {
-        (0, _) => 1.0,
-        (m, 0) => m as f64,
-        (m, b) => m as f64 / b as f64,
-    }
-}
-
-/// One policy's misses against a best, row after row: how many rows at or below it, the
-/// geometric mean of the ratios and the worst.
-#[derive(Clone, Copy, Default)]
-struct Tally {
-    at_or_below: usize,
-    log_sum: f64,
-    worst: f64,
-    rows: usize,
-}
-
-impl Tally {
-    /// Adds a row where the policy missed `own` times and the best `best` times; returns the
-    /// ratio.
-    fn add(&mut self, own: u64, best: u64) -> f64 {
-        let r = vs(own, best);
-        self.at_or_below += usize::from(own <= best);
-        self.log_sum += r.ln();
-        self.worst = self.worst.max(r);
-        self.rows += 1;
-        r
-    }
-
-    fn geometric_mean(&self) -> f64 {
-        (self.log_sum / self.rows.max(1) as f64).exp()
-    }
-}
-
 fn corpus(a: &SimArgs) -> Result<ExitCode> {
     let drams: Vec<String> = if a.dram.is_empty() {
         ["10%", "25%", "50%", "75%"].map(String::from).to_vec()
@@ -534,8 +468,14 @@ fn corpus(a: &SimArgs) -> Result<ExitCode> {
         a.dram.clone()
     };
     let lat = latency(a)?;
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let seeds = a.corpus_seeds.unwrap_or(1);
+    let params = corpus::Params {
+        footprint: a.corpus_footprint.clone().unwrap_or("1GiB".into()),
+        accesses: a.corpus_accesses.clone().unwrap_or("5M".into()),
+        warmup: a.corpus_warmup.clone().unwrap_or("5M".into()),
+        seeds,
+        threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+    };
     println!(
         "{:<44} {:>5} {:>8} {:>9} {:>9} {:>8} {:>8} {:>7} {:>7}{}",
         "workload",
@@ -549,139 +489,54 @@ fn corpus(a: &SimArgs) -> Result<ExitCode> {
         "engine",
         if seeds > 1 { "     2se" } else { "" }
     );
-    let mut significant_losses = 0;
     let start = std::time::Instant::now();
-    let (mut rows, mut time_log_sum) = (Vec::new(), 0f64);
-    // memtide at the same DRAM and with the engine's headroom against the best online policy,
-    // and each online policy against the best of the other five (how high the bar memtide is
-    // held to stands for them too).
-    let (mut memtide, mut engine_tally) = (Tally::default(), Tally::default());
-    let mut peers = [Tally::default(); ONLINE.len()];
-    for family in CORPUS {
-        let (kind, rest) = family.split_once(':').unwrap_or((family, ""));
-        let spec = format!(
-            "{kind}:footprint={},accesses={},warmup={}{}{rest}",
-            a.corpus_footprint.as_deref().unwrap_or("1GiB"),
-            a.corpus_accesses.as_deref().unwrap_or("5M"),
-            a.corpus_warmup.as_deref().unwrap_or("5M"),
-            if rest.is_empty() { "" } else { "," }
-        );
-        let s = Spec::parse(&spec, 4096, |v| size::parse(v).ok())
-            .map_err(|e| anyhow::anyhow!("--corpus-*: {e}"))?;
-        let label = s.to_string();
-        let pages = Source::Spec(s.clone()).pages();
-        let sizes: Vec<u64> = drams
+    let mut rows = Vec::new();
+    let sizes = |pages: u64| -> Result<Vec<u64>, String> {
+        drams
             .iter()
-            .map(|d| parse_dram(d, pages))
-            .collect::<Result<_>>()?;
-        let jobs: Vec<Job> = sizes
-            .iter()
-            .flat_map(|&d| {
-                ["memtide-exact", "memtide"]
-                    .into_iter()
-                    .chain(ONLINE)
-                    .map(move |p| Job {
-                        policy: p.into(),
-                        dram_pages: d,
-                    })
-            })
-            .collect();
-        // The same family with each seed (1 is the default); outcomes are summed over them.
-        let mut by_seed = Vec::new();
-        for seed in 1..=seeds {
-            let src = Source::Spec(Spec { seed, ..s.clone() });
-            by_seed.push(simulate(&src, &jobs, &lat, threads, &|_, _| {})?);
-        }
-        for &d in &sizes {
-            // Each seed's outcomes at this size, and their sums.
-            let per_seed: Vec<Vec<Outcome>> = by_seed
-                .iter()
-                .map(|out| {
-                    out.iter()
-                        .filter(|o| o.dram_pages == d.min(pages))
-                        .cloned()
-                        .collect()
-                })
-                .collect();
-            let mut at = per_seed[0].clone();
-            for out in &per_seed[1..] {
-                for (sum, o) in at.iter_mut().zip(out) {
-                    sum.add(o);
-                }
-            }
-            let find = |name: &str| at.iter().find(|o| o.policy == name).expect("memtide ran");
-            let (mt, engine) = (find("memtide-exact"), find("memtide"));
-            let best = at
-                .iter()
-                .filter(|o| !o.policy.starts_with("memtide"))
-                .min_by_key(|o| o.misses)
-                .expect("online policies ran");
-            // With several seeds: memtide's misses less the best policy's, seed by seed, and
-            // whether their mean exceeds twice its standard error (a loss beyond the noise).
-            let diffs: Vec<f64> = per_seed
-                .iter()
-                .map(|out| {
-                    let m = |name: &str| {
-                        out.iter()
-                            .find(|o| o.policy == name)
-                            .map_or(0, |o| o.misses) as f64
-                    };
-                    m("memtide-exact") - m(&best.policy)
-                })
-                .collect();
-            let (mean, se) = mean_and_standard_error(&diffs);
-            let significant = seeds > 1 && mean > 2.0 * se;
-            if significant {
-                significant_losses += 1;
-            }
-            let ratio = memtide.add(mt.misses, best.misses);
-            let engine_ratio = engine_tally.add(engine.misses, best.misses);
-            for (tally, name) in peers.iter_mut().zip(ONLINE) {
-                let others = at
-                    .iter()
-                    .filter(|o| !o.policy.starts_with("memtide") && o.policy != name)
-                    .map(|o| o.misses)
-                    .min()
-                    .expect("other online policies ran");
-                tally.add(find(name).misses, others);
-            }
-            let soft = mt.soft_faults as f64 / mt.accesses.max(1) as f64;
-            // Estimated time against the best policy's, hint faults included.
-            let time = mt.slowdown(&lat) / best.slowdown(&lat);
-            time_log_sum += time.ln();
-            // Twice the standard error of memtide's excess, as a share of the best policy's
-            // misses per seed; `!` marks a loss beyond it.
-            let noise = 2.0 * se / (best.misses as f64 / seeds as f64).max(1.0);
+            .map(|d| parse_dram(d, pages).map_err(|e| e.to_string()))
+            .collect()
+    };
+    let sum = corpus::run(
+        &params,
+        &lat,
+        |v| size::parse(v).ok(),
+        sizes,
+        |r| {
+            let soft = r.memtide.soft_faults as f64 / r.memtide.accesses.max(1) as f64;
             println!(
                 "{:<44} {:>5} {:>8} {:>8.3}% {:>8.3}% {:>7.3}x {:>7.1}% {:>6.3}x {:>6.3}x{}",
-                short_label(&label),
-                format!("{:.0}%", d as f64 / pages as f64 * 100.0),
-                best.policy,
-                best.miss_ratio() * 100.0,
-                mt.miss_ratio() * 100.0,
-                ratio,
+                short_label(&r.label),
+                format!("{:.0}%", r.dram_fraction * 100.0),
+                r.best.policy,
+                r.best.miss_ratio() * 100.0,
+                r.memtide.miss_ratio() * 100.0,
+                r.memtide_vs_best,
                 soft * 100.0,
-                time,
-                engine_ratio,
-                match (seeds > 1, significant) {
+                r.time_vs_best,
+                r.engine_vs_best,
+                match (seeds > 1, r.beyond_noise) {
                     (false, _) => String::new(),
-                    (true, sig) => format!(" {:>6.3}{}", noise, if sig { "!" } else { "" }),
+                    (true, sig) => format!(" {:>6.3}{}", r.noise, if sig { "!" } else { "" }),
                 }
             );
             rows.push(serde_json::json!({
-                "workload": label,
-                "dram_fraction": d as f64 / pages as f64,
-                "outcomes": at,
-                "best_online": best.policy,
-                "memtide_vs_best": ratio,
-                "memtide_time_vs_best": time,
-                "engine_vs_best": engine_ratio,
+                "workload": r.label,
+                "dram_fraction": r.dram_fraction,
+                "outcomes": r.outcomes,
+                "best_online": r.best.policy,
+                "memtide_vs_best": r.memtide_vs_best,
+                "memtide_time_vs_best": r.time_vs_best,
+                "engine_vs_best": r.engine_vs_best,
                 "seeds": seeds,
-                "memtide_excess_by_seed": diffs,
-                "loss_beyond_noise": significant,
+                "memtide_excess_by_seed": r.excess_by_seed,
+                "loss_beyond_noise": r.beyond_noise,
             }));
-        }
-    }
+        },
+    )
+    .map_err(|e| anyhow::anyhow!(e))?;
+    let (memtide, engine_tally, peers) = (sum.memtide, sum.engine, sum.peers);
+    let significant_losses = sum.losses_beyond_noise;
     let n = rows.len();
     println!(
         "\nmemtide at or below the best online policy on {} of {n} rows; worst {:.3}x, \
@@ -703,7 +558,7 @@ fn corpus(a: &SimArgs) -> Result<ExitCode> {
         lat.tier_ns / 1e3,
         lat.soft_ns / 1e3,
         lat.dram_ns,
-        (time_log_sum / n as f64).exp()
+        sum.time_geometric_mean()
     );
     if seeds > 1 {
         println!(
@@ -712,7 +567,7 @@ fn corpus(a: &SimArgs) -> Result<ExitCode> {
         );
     }
     println!("each online policy against the best of the other five, for comparison:");
-    for (name, t) in ONLINE.iter().zip(&peers) {
+    for (name, t) in corpus::ONLINE.iter().zip(&peers) {
         println!(
             "  {name:<7} at or below on {:>2} of {n}; worst {:.3}x, geometric mean {:.3}x",
             t.at_or_below,
@@ -726,7 +581,7 @@ fn corpus(a: &SimArgs) -> Result<ExitCode> {
          DRAM as the others (memtide-exact)"
     );
     if let Some(p) = &a.json {
-        let peers: Vec<_> = ONLINE
+        let peers: Vec<_> = corpus::ONLINE
             .iter()
             .zip(&peers)
             .map(|(name, t)| {

@@ -3,8 +3,8 @@
 //! Entry points: [`workload::Spec`], [`simulate`].
 #![forbid(unsafe_code)]
 
+pub mod corpus;
 pub mod import;
-pub mod memmode;
 pub mod plan;
 pub mod policies;
 pub mod trace;

@@ -3,12 +3,12 @@
 //! the engine sees), the published online policies LRU, CLOCK, ARC, 2Q, S3-FIFO and SIEVE
 //! (each sees every access), exact LFU and GCLOCK (LFU with aging: a per-page counter bumped on
 //! access and halved by the sweeping hand), and Belady's offline OPT. All count the same things
-//! in an [`Outcome`]. Entry points: [`Policy`], [`by_name`], [`opt`].
+//! in an [`Outcome`]. This file holds what they share (the trait, the outcome, the latency
+//! model, the registry); each policy has its own file, memory mode (`memmode.rs`) included.
+//! Entry points: [`Policy`], [`by_name`], [`opt`].
 //!
 //! A page's first access is a *first touch* (it reads as zeros: no tier-1 read) and not a
 //! miss; a miss is an access to a page that was touched before and is not in DRAM.
-
-use std::collections::BinaryHeap;
 
 mod arc;
 mod lfu;
@@ -19,8 +19,6 @@ mod sieve;
 mod tide;
 mod twoq;
 
-use lists::Residency;
-
 pub use arc::Arc;
 pub use lfu::Lfu;
 pub use lru::Lru;
@@ -29,7 +27,6 @@ pub use sieve::Sieve;
 pub use tide::Tide;
 pub use twoq::TwoQ;
 
-use memtide_policy::{Activeness, EpochClock, Relieve, SweepPages, Watermarks};
 use serde::Serialize;
 
 /// What a replay counted.
@@ -72,7 +69,7 @@ pub trait Policy: Send {
 
 /// How far ahead in a batch a replay touches the page-state of an upcoming access, so that
 /// its cache miss overlaps with the work on the current one.
-const LOOKAHEAD: usize = 12;
+pub(crate) const LOOKAHEAD: usize = 12;
 
 /// The batch loop of a policy whose per-page state lives in `$touch[page]`.
 macro_rules! batch_with_lookahead {
@@ -86,308 +83,23 @@ macro_rules! batch_with_lookahead {
     }};
 }
 
-const NEVER: u8 = 0;
-const IN_DRAM: u8 = 1;
-const OUT: u8 = 2;
-const DIRTY: u8 = 4;
+pub(crate) const NEVER: u8 = 0;
+pub(crate) const IN_DRAM: u8 = 1;
+pub(crate) const OUT: u8 = 2;
+pub(crate) const DIRTY: u8 = 4;
 
-const NIL: u32 = u32::MAX;
+pub(crate) const NIL: u32 = u32::MAX;
+/// A page in memtide's inactive list (unmapped, still in DRAM).
+pub(crate) const STAGED: u8 = 3;
 
-/// CLOCK (second chance), or with `counters` GCLOCK, LFU with aging: 5 bytes per page plus
-/// 5 bytes per DRAM frame.
-pub struct Clock {
-    frames: Vec<u32>,
-    weight: Vec<u8>,
-    frame_of: Vec<u32>,
-    res: Residency,
-    hand: usize,
-    used: usize,
-    counters: bool,
-}
+mod clock;
+pub mod memmode;
+mod memtide_v1;
+mod opt;
 
-impl Clock {
-    pub fn new(pages: u64, cap: u64, counters: bool) -> Clock {
-        let cap = cap.max(1) as usize;
-        Clock {
-            frames: vec![NIL; cap],
-            weight: vec![0; cap],
-            frame_of: vec![NIL; pages as usize],
-            res: Residency::new(pages),
-            hand: 0,
-            used: 0,
-            counters,
-        }
-    }
-}
-
-impl Policy for Clock {
-    fn access_batch(&mut self, batch: &[u64], o: &mut Outcome) {
-        batch_with_lookahead!(self, batch, o, frame_of)
-    }
-    fn state_bytes(&self) -> u64 {
-        (self.frames.len() * 5 + self.frame_of.len() * 4) as u64 + self.res.bytes()
-    }
-    fn name(&self) -> &'static str {
-        if self.counters {
-            "gclock"
-        } else {
-            "clock"
-        }
-    }
-    fn access(&mut self, page: u64, write: bool, o: &mut Outcome) {
-        let p = page as usize;
-        if self.res.resident(p as u32) {
-            let f = self.frame_of[p] as usize;
-            self.weight[f] = if self.counters {
-                self.weight[f].saturating_add(1)
-            } else {
-                1
-            };
-        } else {
-            let f = if self.used < self.frames.len() {
-                self.used += 1;
-                self.used - 1
-            } else {
-                loop {
-                    let h = self.hand;
-                    self.hand = (self.hand + 1) % self.frames.len();
-                    if self.weight[h] == 0 {
-                        let v = self.frames[h];
-                        self.res.leave(v, o);
-                        self.frame_of[v as usize] = NIL;
-                        break h;
-                    }
-                    // Second chance; GCLOCK ages the count by halving.
-                    self.weight[h] = if self.counters { self.weight[h] / 2 } else { 0 };
-                }
-            };
-            self.frames[f] = p as u32;
-            self.frame_of[p] = f as u32;
-            self.weight[f] = 1;
-            self.res.arrive(p as u32, o);
-        }
-        if write {
-            self.res.write(p as u32);
-        }
-    }
-}
-
-/// memtide's first policy, which the engine runs until it moves to [`Tide`]: pages faulted in are mapped and invisible until the
-/// CLOCK sweep (the policy crate's [`memtide_policy::Clock`] over [`Activeness`] histories) unmaps the idlest
-/// into an inactive FIFO; touching an inactive page is a soft fault that promotes it; the FIFO's
-/// oldest pages go to tier 1 when DRAM passes the [`Watermarks`] — the policy crate's own
-/// pressure relief ([`Watermarks::relieve`]) drives both, over this simulator's page states, as
-/// the engine's evictor drives them over its page table. Epochs come from the policy crate's
-/// [`EpochClock`] on simulated time: each access costs `access_ns`, each miss `miss_ns` more.
-pub struct Memtide {
-    state: Vec<u8>,
-    hist: Vec<Activeness>,
-    /// The epoch each page's history was last brought up to date in: histories age lazily,
-    /// when a page is next looked at (the same shifts the engine applies every epoch, without
-    /// a pass over every page per epoch).
-    aged_at: Vec<u32>,
-    /// Inactive FIFO of pages (stale entries skipped: their state says so).
-    fifo: std::collections::VecDeque<u32>,
-    staged: u64,
-    resident: u64,
-    wm: Watermarks,
-    sweep: memtide_policy::Clock,
-    clock: EpochClock,
-    now_ns: u64,
-    access_ns: u64,
-    miss_ns: u64,
-    touched_max: usize,
-}
-
-const STAGED: u8 = 3;
-/// How many times in a row the sweep found a page in use ([`memtide_policy::clock::MAX_PROVEN`]),
-/// as the engine keeps it in its page words: one more for each touch while inactive, none once
-/// the page leaves DRAM.
-const PROVEN_SHIFT: u8 = 4;
-const PROVEN: u8 = 3 << PROVEN_SHIFT;
-const _: () = assert!(
-    memtide_policy::clock::MAX_PROVEN <= 3,
-    "two bits hold the count"
-);
-
-fn proven_once_more(state: u8) -> u8 {
-    let k = ((state & PROVEN) >> PROVEN_SHIFT) + 1;
-    (state & !PROVEN) | (k.min(memtide_policy::clock::MAX_PROVEN) << PROVEN_SHIFT)
-}
-
-/// Page `i`'s history as of epoch `now`, brought up to date.
-fn history(hist: &mut [Activeness], aged_at: &mut [u32], now: u32, i: usize) -> Activeness {
-    let behind = now.wrapping_sub(aged_at[i]);
-    if behind != 0 {
-        hist[i] = hist[i].aged(behind as u64);
-        aged_at[i] = now;
-    }
-    hist[i]
-}
-
-/// The simulator's pages as the policy's sweep sees them: pages in DRAM and mapped are
-/// candidates; taking one puts it at the back of the inactive FIFO.
-struct Candidates<'a> {
-    state: &'a mut [u8],
-    hist: &'a mut [Activeness],
-    aged_at: &'a mut [u32],
-    now: u32,
-    fifo: &'a mut std::collections::VecDeque<u32>,
-    staged: &'a mut u64,
-    extent: usize,
-}
-
-impl SweepPages for Candidates<'_> {
-    fn extent(&self) -> usize {
-        self.extent
-    }
-
-    fn candidate(&mut self, i: usize) -> Option<Activeness> {
-        (self.state[i] & 3 == IN_DRAM).then(|| history(self.hist, self.aged_at, self.now, i))
-    }
-
-    fn take(&mut self, i: usize) -> bool {
-        self.state[i] = (self.state[i] & !3) | STAGED;
-        self.fifo.push_back(i as u32);
-        *self.staged += 1;
-        true
-    }
-
-    fn proven(&self, i: usize) -> u8 {
-        (self.state[i] & PROVEN) >> PROVEN_SHIFT
-    }
-}
-
-/// The simulator as the policy's pressure relief drives it; write-backs are counted in `o`.
-struct Pressure<'a> {
-    m: &'a mut Memtide,
-    o: &'a mut Outcome,
-}
-
-impl Relieve for Pressure<'_> {
-    fn resident(&self) -> u64 {
-        self.m.resident
-    }
-
-    fn inactive(&self) -> u64 {
-        self.m.staged
-    }
-
-    fn deactivate(&mut self, want: u64) -> u64 {
-        let m = &mut *self.m;
-        let mut pages = Candidates {
-            state: &mut m.state,
-            hist: &mut m.hist,
-            aged_at: &mut m.aged_at,
-            now: m.clock.epoch() as u32,
-            fifo: &mut m.fifo,
-            staged: &mut m.staged,
-            extent: m.touched_max,
-        };
-        m.sweep.deactivate(&mut pages, want as usize) as u64
-    }
-
-    fn write_back(&mut self, batch: u64) -> u64 {
-        let m = &mut *self.m;
-        let mut moved = 0;
-        while moved < batch {
-            let Some(p) = m.fifo.pop_front() else {
-                break;
-            };
-            let p = p as usize;
-            if m.state[p] & 3 != STAGED {
-                continue;
-            }
-            self.o.demotions += 1;
-            if m.state[p] & DIRTY != 0 {
-                self.o.writebacks += 1;
-            }
-            m.state[p] = OUT;
-            m.staged -= 1;
-            m.resident -= 1;
-            moved += 1;
-        }
-        moved
-    }
-}
-
-impl Memtide {
-    pub fn new(pages: u64, cap: u64, access_ns: u64, miss_ns: u64, epoch_ns: u64) -> Memtide {
-        Memtide {
-            state: vec![NEVER; pages as usize],
-            hist: vec![Activeness(0); pages as usize],
-            aged_at: vec![0; pages as usize],
-            fifo: Default::default(),
-            staged: 0,
-            resident: 0,
-            wm: Watermarks::for_quota(cap.max(16)),
-            sweep: memtide_policy::Clock::default(),
-            clock: EpochClock::new(epoch_ns),
-            now_ns: 0,
-            access_ns,
-            miss_ns,
-            touched_max: 0,
-        }
-    }
-
-    fn touch(&mut self, i: usize) {
-        let h = history(
-            &mut self.hist,
-            &mut self.aged_at,
-            self.clock.epoch() as u32,
-            i,
-        );
-        self.hist[i] = h.touch();
-    }
-
-    fn relieve(&mut self, o: &mut Outcome) {
-        let wm = self.wm;
-        wm.relieve(&mut Pressure { m: self, o });
-    }
-}
-
-impl Policy for Memtide {
-    fn name(&self) -> &'static str {
-        "memtide-v1"
-    }
-    fn access_batch(&mut self, batch: &[u64], o: &mut Outcome) {
-        batch_with_lookahead!(self, batch, o, state)
-    }
-    fn state_bytes(&self) -> u64 {
-        (self.state.len() * 2 + self.aged_at.len() * 4 + self.fifo.capacity() * 4) as u64
-    }
-    fn access(&mut self, page: u64, write: bool, o: &mut Outcome) {
-        let p = page as usize;
-        self.now_ns += self.access_ns;
-        self.clock.tick(self.now_ns);
-        let st = self.state[p];
-        match st & 3 {
-            IN_DRAM => {}
-            STAGED => {
-                o.soft_faults += 1;
-                self.state[p] = proven_once_more((st & !3) | IN_DRAM);
-                self.staged -= 1;
-                self.touch(p);
-            }
-            s => {
-                if s == NEVER {
-                    o.first_touches += 1;
-                    self.touched_max = self.touched_max.max(p + 1);
-                } else {
-                    o.misses += 1;
-                    self.now_ns += self.miss_ns;
-                }
-                self.state[p] = IN_DRAM;
-                self.touch(p);
-                self.resident += 1;
-                self.relieve(o);
-            }
-        }
-        if write {
-            self.state[p] |= DIRTY;
-        }
-    }
-}
+pub use clock::Clock;
+pub use memtide_v1::Memtide;
+pub use opt::opt;
 
 /// The policy of that name at `cap` pages of DRAM over `pages` pages.
 pub fn by_name(name: &str, pages: u64, cap: u64, lat: &Latency) -> Option<Box<dyn Policy>> {
@@ -400,7 +112,7 @@ pub fn by_name(name: &str, pages: u64, cap: u64, lat: &Latency) -> Option<Box<dy
         "2q" => Box::new(TwoQ::new(pages, cap)),
         "s3fifo" => Box::new(S3Fifo::new(pages, cap)),
         "sieve" => Box::new(Sieve::new(pages, cap)),
-        "memory-mode" => Box::new(crate::memmode::MemoryMode::new(pages, cap)),
+        "memory-mode" => Box::new(memmode::MemoryMode::new(pages, cap)),
         "memtide" => Box::new(Tide::new(pages, cap)),
         "memtide-exact" => Box::new(Tide::exact(pages, cap)),
         "memtide-v1" => Box::new(Memtide::new(
@@ -475,78 +187,6 @@ impl Outcome {
         }
         (a + self.tenant_misses.get(t).copied().unwrap_or(0) as f64 * lat.tier_ns) / a
     }
-}
-
-/// Belady's OPT over a stored trace: on a miss with DRAM full, evict the resident page whose
-/// next use is farthest away. O(n log n) with a max-heap of next uses (stale entries skipped).
-/// Only accesses from index `count_from` on are counted (the ones before warm DRAM up).
-pub fn opt(trace: &[(u32, bool)], pages: u64, cap: u64, count_from: usize) -> Outcome {
-    let n = trace.len();
-    // next_use[i]: index of the next access to the same page after i, or usize::MAX.
-    let mut next_use = vec![usize::MAX; n];
-    let mut last = vec![usize::MAX; pages as usize];
-    for i in (0..n).rev() {
-        let p = trace[i].0 as usize;
-        next_use[i] = last[p];
-        last[p] = i;
-    }
-    drop(last);
-    let mut o = Outcome {
-        policy: "opt".into(),
-        dram_pages: cap,
-        ..Outcome::default()
-    };
-    let mut warm = Outcome::default();
-    let mut state = vec![NEVER; pages as usize];
-    // The next use currently recorded for each resident page (to spot stale heap entries).
-    let mut cur_next = vec![usize::MAX; pages as usize];
-    let mut heap: BinaryHeap<(usize, u32)> = BinaryHeap::new();
-    let mut resident = 0u64;
-    let cap = cap.max(1);
-    for (i, &(p, write)) in trace.iter().enumerate() {
-        let o = if i < count_from {
-            &mut warm
-        } else {
-            o.accesses += 1;
-            &mut o
-        };
-        let pi = p as usize;
-        let st = state[pi];
-        if st & 3 != IN_DRAM {
-            if st & 3 == NEVER {
-                o.first_touches += 1;
-            } else {
-                o.misses += 1;
-            }
-            if resident == cap {
-                loop {
-                    let (nu, v) = heap.pop().expect("a resident page to evict");
-                    let vi = v as usize;
-                    if state[vi] & 3 == IN_DRAM && cur_next[vi] == nu {
-                        o.demotions += 1;
-                        if state[vi] & DIRTY != 0 {
-                            o.writebacks += 1;
-                        }
-                        state[vi] = OUT;
-                        resident -= 1;
-                        break;
-                    }
-                }
-            }
-            state[pi] = IN_DRAM | (st & DIRTY);
-            resident += 1;
-        }
-        if write {
-            state[pi] |= DIRTY;
-        }
-        cur_next[pi] = next_use[i];
-        heap.push((next_use[i], p));
-        // Keep the heap from growing without bound on long traces.
-        if heap.len() > 4 * cap as usize + 1024 {
-            heap.retain(|&(nu, v)| state[v as usize] & 3 == IN_DRAM && cur_next[v as usize] == nu);
-        }
-    }
-    o
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 //! at page granularity (the hardware's lines are smaller; the conflicts it shows are the same
 //! kind). Entry point: [`MemoryMode`].
 
-use crate::policies::{Outcome, Policy};
+use super::{Outcome, Policy};
 
 const NIL: u32 = u32::MAX;
 
