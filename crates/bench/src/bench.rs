@@ -343,22 +343,7 @@ pub fn budget_bytes(footprint: u64, pct: f64) -> u64 {
     ((footprint as f64 * pct / 100.0) as u64).next_multiple_of(1 << 20)
 }
 
-/// What a memtide run kept in DRAM beyond its managed pages, as a memory cgroup would count it
-/// for Linux swap: the most anonymous memory and page tables it held outside managed DRAM at
-/// one snapshot. The program's and libraries' file pages are left out: the page cache already
-/// held them, so the swap run's cgroup is not charged for them (VmHWM counts them: 10 MiB for
-/// redis). Statistics from before that figure existed fall back to the peak anonymous memory,
-/// or to `peak_rss` (VmHWM), less the peak managed DRAM.
-pub fn beyond_quota(s: &memtide_engine::Snapshot, peak_rss: u64) -> u64 {
-    if s.process_peak_unmanaged_bytes > 0 {
-        return s.process_peak_unmanaged_bytes;
-    }
-    let resident = match s.process_peak_anon_bytes {
-        0 => peak_rss,
-        anon => anon,
-    };
-    resident.saturating_sub(s.peak_dram_bytes)
-}
+pub use memtide_launch::summary::beyond_quota;
 
 /// Gives Linux swap the same DRAM memtide had. memtide's quota counts only the memory it
 /// manages; what the program keeps resident beyond that (small allocations, stacks, memtide's

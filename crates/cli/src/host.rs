@@ -9,12 +9,12 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use memtide_bench::{opts, preflight};
 use memtide_engine::size::format as bytes;
 use memtide_host::client::{default_socket, Client};
 use memtide_host::daemon::{self, Host, HostConfig, HttpView, Shared};
 use memtide_host::metrics;
 use memtide_host::protocol::{HostStatus, Request, Response, TenantStatus};
+use memtide_launch::{opts, preflight};
 use memtide_policy::share::ShareRules;
 
 #[derive(Args, Debug)]

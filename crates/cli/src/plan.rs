@@ -16,7 +16,7 @@ use memtide_sim::workload::{Kind, Spec};
 use memtide_sim::{simulate, Job, Latency, Source};
 use serde::Deserialize;
 
-use memtide_bench::opts;
+use memtide_launch::opts;
 
 #[derive(Args, Debug)]
 pub struct PlanArgs {

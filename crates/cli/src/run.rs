@@ -21,7 +21,7 @@ use memtide_host::protocol::{
     HostStatus, Registration, Request, Response, TenantReport, TenantStatus,
 };
 
-use memtide_bench::{opts, preflight, summary};
+use memtide_launch::{opts, preflight, summary};
 
 #[derive(Args, Debug)]
 pub struct RunArgs {

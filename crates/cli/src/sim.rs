@@ -13,7 +13,7 @@ use memtide_sim::import::{self, Format};
 use memtide_sim::trace::{Record, Writer};
 use memtide_sim::{corpus, simulate, Job, Latency, Source, Spec, ALL_POLICIES, KNOWN_POLICIES};
 
-use memtide_bench::opts;
+use memtide_launch::opts;
 
 #[derive(Args, Debug)]
 pub struct SimArgs {

@@ -16,10 +16,10 @@ use ratatui::text::{Line, Span};
 use ratatui::widgets::{Block, Paragraph, Row, Table};
 use ratatui::Frame;
 
-use memtide_bench::opts;
 use memtide_engine::size::format as bytes;
 use memtide_host::client::default_socket;
 use memtide_host::protocol::{HostStatus, TenantStatus};
+use memtide_launch::opts;
 
 use crate::host::{fetch_status, tenant_row, COLUMNS};
 
