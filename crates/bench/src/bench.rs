@@ -5,9 +5,8 @@
 //! tier-1 fault latency against a raw O_DIRECT read of the same device). Every system setting
 //! it changes is put back when it ends, however it ends. Entry point: [`bench`].
 
-use std::ffi::CString;
 use std::io::{BufRead, Write};
-use std::os::unix::ffi::OsStrExt;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, ExitCode, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,6 +16,7 @@ use crate::device::{Pattern, ProbeFile};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use memtide_engine::size::format as bytes;
+use memtide_engine::sys;
 use serde::{Deserialize, Serialize};
 
 use crate::demo::{run_workload, Outcome, Placement};
@@ -230,9 +230,8 @@ impl Restore {
                         .unwrap_or_default()
                         .lines()
                     {
-                        if let Ok(pid) = pid.trim().parse::<i32>() {
-                            // SAFETY: kill has no memory-safety preconditions.
-                            unsafe { libc::kill(pid, libc::SIGKILL) };
+                        if let Ok(pid) = pid.trim().parse::<u32>() {
+                            let _ = sys::kill(pid, libc::SIGKILL);
                         }
                     }
                     std::thread::sleep(Duration::from_millis(50));
@@ -305,18 +304,15 @@ impl Drop for Guard {
 pub fn janitor() -> Result<ExitCode> {
     // A session of its own, deaf to the terminal: Ctrl-C and hang-ups go to the bench, which
     // restores everything itself and says so.
-    // SAFETY: setsid and signal dispositions, before any threads exist.
-    unsafe {
-        libc::setsid();
-        for sig in [
-            libc::SIGINT,
-            libc::SIGHUP,
-            libc::SIGTERM,
-            libc::SIGQUIT,
-            libc::SIGPIPE,
-        ] {
-            libc::signal(sig, libc::SIG_IGN);
-        }
+    sys::new_session();
+    for sig in [
+        libc::SIGINT,
+        libc::SIGHUP,
+        libc::SIGTERM,
+        libc::SIGQUIT,
+        libc::SIGPIPE,
+    ] {
+        sys::set_signal_handler(sig, libc::SIG_IGN);
     }
     let mut pending = Vec::new();
     for line in std::io::stdin().lock().lines() {
@@ -469,8 +465,7 @@ fn run_cmd(cmd: &mut Command, what: &str) -> Result<()> {
 
 /// Sets up Linux swap: a swap file on the tier filesystem, zswap off, a cgroup per budget.
 fn setup_swap(a: &BenchArgs, swap_bytes: u64, guard: &mut Guard) -> Result<MemCgroup> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
+    if sys::effective_uid() != 0 {
         bail!("the Linux-swap configurations need root (swapon, cgroups); run as root or with --no-swap");
     }
     let cg = find_memory_cgroup()?;
@@ -487,21 +482,14 @@ fn setup_swap(a: &BenchArgs, swap_bytes: u64, guard: &mut Guard) -> Result<MemCg
     let f = std::fs::File::create(&swap)
         .with_context(|| format!("cannot create {}", swap.display()))?;
     // Swap files must be fully allocated.
-    let c = CString::new(swap.as_os_str().as_bytes())?;
-    drop(f);
-    // SAFETY: opening our own file and allocating its blocks.
-    unsafe {
-        let fd = libc::open(c.as_ptr(), libc::O_RDWR);
-        let r = libc::fallocate(fd, 0, 0, size as libc::off_t);
-        libc::close(fd);
-        if r != 0 {
-            bail!(
-                "cannot allocate a {} swap file in {}",
-                bytes(size),
-                a.tier.display()
-            );
-        }
+    if sys::allocate(&f, size).is_err() {
+        bail!(
+            "cannot allocate a {} swap file in {}",
+            bytes(size),
+            a.tier.display()
+        );
     }
+    drop(f);
     std::fs::set_permissions(&swap, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
     run_cmd(Command::new("mkswap").arg(&swap), "mkswap")?;
     run_cmd(Command::new("swapon").arg(&swap), "swapon")?;
@@ -678,16 +666,14 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     } else {
         None
     };
-    // SAFETY: installing an async-signal-safe handler; children still get the terminal's
-    // SIGINT and stop, and we clean up. A hang-up or a closed output pipe (whoever watched
-    // the bench went away) must not kill it before it restores swap, zswap and cgroups:
-    // SIGHUP stops it like SIGINT, and SIGPIPE is ignored (a write fails instead).
-    unsafe {
-        for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
-            libc::signal(sig, on_interrupt as *const () as libc::sighandler_t);
-        }
-        libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+    // An async-signal-safe handler; children still get the terminal's SIGINT and stop, and we
+    // clean up. A hang-up or a closed output pipe (whoever watched the bench went away) must
+    // not kill it before it restores swap, zswap and cgroups: SIGHUP stops it like SIGINT,
+    // and SIGPIPE is ignored (a write fails instead).
+    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        sys::set_signal_handler(sig, on_interrupt as *const () as libc::sighandler_t);
     }
+    sys::set_signal_handler(libc::SIGPIPE, libc::SIG_IGN);
     let mut guard = Guard::new(!a.no_swap)?;
     let cg = if a.no_swap {
         None

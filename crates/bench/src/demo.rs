@@ -4,7 +4,6 @@
 //! [`demo`].
 
 use std::io::{BufRead, BufReader, IsTerminal, Write};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::Instant;
@@ -84,11 +83,7 @@ impl Placement<'_> {
             }
             .apply(preload, cmd),
             Placement::Cgroup { procs } => {
-                let procs = procs.to_path_buf();
-                // SAFETY: the closure only writes a file and runs between fork and exec.
-                unsafe {
-                    cmd.pre_exec(move || std::fs::write(&procs, std::process::id().to_string()));
-                }
+                memtide_engine::launch::join_cgroup_at_start(cmd, procs.to_path_buf());
             }
         }
     }
@@ -168,11 +163,7 @@ pub fn run_workload_showing(
             Err(_) => {}
         }
     }
-    let mut status = 0;
-    // SAFETY: plain data, filled by wait4.
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: waiting for our own child.
-    unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut ru) };
+    let (status, used) = memtide_engine::sys::wait_child(child.id())?;
     if tty {
         eprint!("\r\x1b[2K");
     }
@@ -192,7 +183,7 @@ pub fn run_workload_showing(
         .map(|(s, _)| s.clone());
     Ok(Outcome {
         result,
-        peak_rss: ru.ru_maxrss as u64 * 1024,
+        peak_rss: used.peak_rss,
         memtide,
         wall_seconds,
     })

@@ -134,7 +134,6 @@ impl ProbeFile {
             },
             _ => io_err("cannot create a test file", e),
         })?;
-        let fd = OwnedFd::from(file);
         let cleanup = |e: ProbeError| {
             let _ = std::fs::remove_file(&path);
             e
@@ -142,9 +141,7 @@ impl ProbeFile {
         if !direct {
             return Err(cleanup(ProbeError::NoDirect(dir.to_path_buf())));
         }
-        // SAFETY: fallocate on our own fd.
-        if unsafe { libc::fallocate(fd.as_raw_fd(), 0, 0, size as libc::off_t) } != 0 {
-            let e = io::Error::last_os_error();
+        if let Err(e) = sys::allocate(&file, size) {
             return Err(cleanup(match e.raw_os_error() {
                 Some(libc::ENOSPC) | Some(libc::EDQUOT) | Some(libc::EFBIG) => {
                     ProbeError::NoSpace {
@@ -155,6 +152,7 @@ impl ProbeFile {
                 _ => io_err("cannot size the test file", e),
             }));
         }
+        let fd = OwnedFd::from(file);
         if !keep {
             let _ = std::fs::remove_file(&path);
         }

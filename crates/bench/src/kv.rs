@@ -285,8 +285,7 @@ struct Running(Child);
 
 impl Drop for Running {
     fn drop(&mut self) {
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(self.0.id() as i32, libc::SIGKILL) };
+        let _ = memtide_engine::sys::kill(self.0.id(), libc::SIGKILL);
         let _ = self.0.wait();
     }
 }

@@ -226,7 +226,7 @@ fn run_console(
     cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
     die_with_parent(cmd, libc::SIGKILL);
     let mut child = cmd.spawn().context("cannot start qemu-system-x86_64")?;
-    let pid = child.id() as i32;
+    let pid = child.id();
     let (out, mut err) = (
         child.stdout.take().expect("piped"),
         child.stderr.take().expect("piped"),
@@ -236,9 +236,8 @@ fn run_console(
         // The watchdog: kills the guest when its time is up, unless told it ended.
         let watchdog = s.spawn(move || {
             if let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(limit) {
-                // SAFETY: signalling our own child, not yet reaped (we reap it below, after
-                // this thread has ended).
-                unsafe { libc::kill(pid, libc::SIGKILL) };
+                // Our own child, not yet reaped (we reap it below, after this thread has ended).
+                let _ = memtide_engine::sys::kill(pid, libc::SIGKILL);
                 return true;
             }
             false
@@ -255,7 +254,7 @@ fn run_console(
             .inspect(|l| {
                 if let Some(phase) = Phase::of(l).filter(|p| !seen.contains(p)) {
                     seen.push(phase);
-                    at(phase, pid as u32);
+                    at(phase, pid);
                 }
             })
             .collect();
@@ -263,21 +262,14 @@ fn run_console(
         // Reap only once the watchdog can no longer signal the pid.
         let _ = stop.send(());
         let timed_out = watchdog.join().unwrap_or(false);
-        let mut status = 0;
-        // SAFETY: plain data, filled by wait4.
-        let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-        // SAFETY: waiting for our own child.
-        unsafe { libc::wait4(pid, &mut status, 0, &mut ru) };
+        let (status, used) = memtide_engine::sys::wait_child(pid)?;
         Ok(Console {
             lines,
             timed_out,
             status,
-            peak_rss: ru.ru_maxrss as u64 * 1024,
-            major_faults: ru.ru_majflt as u64,
-            cpu_seconds: [ru.ru_utime, ru.ru_stime]
-                .iter()
-                .map(|t| t.tv_sec as f64 + t.tv_usec as f64 / 1e6)
-                .sum(),
+            peak_rss: used.peak_rss,
+            major_faults: used.major_faults,
+            cpu_seconds: used.cpu_seconds,
             stderr,
         })
     })
@@ -879,13 +871,7 @@ mod tests {
 
     #[test]
     fn major_faults_are_read_from_proc() {
-        let majflt = || {
-            // SAFETY: plain data, filled by getrusage for this process.
-            let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-            // SAFETY: a valid out-pointer.
-            unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
-            ru.ru_majflt as u64
-        };
+        let majflt = || memtide_engine::sys::usage_of_self().major_faults;
         let before = majflt();
         let read = major_faults(std::process::id()).unwrap();
         let after = majflt();

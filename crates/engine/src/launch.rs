@@ -359,6 +359,16 @@ pub fn default_sigpipe() {
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
 }
 
+/// Makes the program `cmd` starts join the memory cgroup whose `cgroup.procs` (or `tasks`)
+/// file is `procs` before it runs anything (Linux swap's runs in the bench).
+pub fn join_cgroup_at_start(cmd: &mut Command, procs: PathBuf) {
+    // SAFETY: the closure only writes a file, which is async-signal-safe enough between fork
+    // and exec in a single-threaded child.
+    unsafe {
+        cmd.pre_exec(move || std::fs::write(&procs, std::process::id().to_string()));
+    }
+}
+
 /// Sends this process's stderr to `file` from now on (a launcher whose program already has
 /// the stderr it was given).
 pub fn stderr_to(file: &std::fs::File) -> io::Result<()> {

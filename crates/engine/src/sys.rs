@@ -527,3 +527,104 @@ pub fn random_bytes(buf: &mut [u8]) -> io::Result<()> {
     }
     Ok(())
 }
+
+/// Sends `sig` to process `pid` (the caller's own child, not yet reaped: a reaped pid may be
+/// another process's by now).
+pub fn kill(pid: u32, sig: i32) -> io::Result<()> {
+    // SAFETY: kill has no memory-safety preconditions.
+    if unsafe { libc::kill(pid as libc::pid_t, sig) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// What a process used, from `getrusage` or `wait4`.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Usage {
+    /// Peak resident set (VmHWM), bytes.
+    pub peak_rss: u64,
+    /// Faults that waited for a read (swap-ins, file reads).
+    pub major_faults: u64,
+    /// User plus system CPU time.
+    pub cpu_seconds: f64,
+}
+
+impl Usage {
+    fn of(ru: &libc::rusage) -> Usage {
+        let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+        Usage {
+            peak_rss: ru.ru_maxrss.max(0) as u64 * 1024,
+            major_faults: ru.ru_majflt.max(0) as u64,
+            cpu_seconds: secs(ru.ru_utime) + secs(ru.ru_stime),
+        }
+    }
+}
+
+/// This process's own usage so far.
+pub fn usage_of_self() -> Usage {
+    // SAFETY: plain data, filled by getrusage.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid out-pointer.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    Usage::of(&ru)
+}
+
+/// Waits for child `pid` to end: its wait status and what it used.
+pub fn wait_child(pid: u32) -> io::Result<(i32, Usage)> {
+    let mut status = 0;
+    // SAFETY: plain data, filled by wait4.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    loop {
+        // SAFETY: waiting for the caller's child, with valid out-pointers.
+        let r = unsafe { libc::wait4(pid as libc::pid_t, &mut status, 0, &mut ru) };
+        if r >= 0 {
+            return Ok((status, Usage::of(&ru)));
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// Gives `file` `bytes` of allocated blocks (fallocate), as a swap file needs.
+pub fn allocate(file: &std::fs::File, bytes: u64) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: fallocate on a descriptor the caller's File owns.
+    if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, bytes as libc::off_t) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Sets `sig`'s disposition to `handler` (a plain `extern "C"` function, or `SIG_IGN`).
+pub fn set_signal_handler(sig: i32, handler: libc::sighandler_t) {
+    // SAFETY: installing a disposition; a handler given here must be async-signal-safe.
+    unsafe { libc::signal(sig, handler) };
+}
+
+/// Starts a new session for this process (it leaves the terminal's signals behind).
+pub fn new_session() {
+    // SAFETY: setsid has no memory-safety preconditions.
+    unsafe { libc::setsid() };
+}
+
+#[cfg(test)]
+mod usage_tests {
+    use super::*;
+
+    #[test]
+    #[allow(clippy::zombie_processes)] // reaped by wait_child, which clippy cannot see
+    fn a_childs_usage_and_status_come_back_from_the_wait() {
+        let child = std::process::Command::new("sh")
+            .args(["-c", "exit 3"])
+            .spawn()
+            .unwrap();
+        let (status, usage) = wait_child(child.id()).unwrap();
+        assert!(libc::WIFEXITED(status));
+        assert_eq!(libc::WEXITSTATUS(status), 3);
+        assert!(usage.peak_rss > 0, "{usage:?}");
+        assert!(usage_of_self().peak_rss > 0);
+        assert!(kill(child.id(), 0).is_err(), "reaped: no such process");
+    }
+}
