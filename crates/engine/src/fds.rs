@@ -9,7 +9,7 @@
 //! Entry points: [`lift`], [`Lifted`], [`is_ours`].
 
 use std::ops::{Deref, DerefMut};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, RawFd};
 use std::sync::atomic::{AtomicI32, Ordering};
 
 /// Most descriptors memtide records (it holds 4 + one read ring per CPU, at most 12).
@@ -76,18 +76,24 @@ pub(crate) fn forget(fd: RawFd) {
     }
 }
 
+/// A close-on-exec duplicate of `fd` at or above [`floor`], if the table has room there.
+fn dup_high(fd: RawFd) -> Option<RawFd> {
+    // SAFETY: F_DUPFD_CLOEXEC duplicates a descriptor the caller owns; a new one or -1.
+    let high = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, floor()) };
+    (high >= 0).then_some(high)
+}
+
 /// Moves `fd` to a number at or above [`floor`], close-on-exec, and records it as memtide's.
 /// Where it cannot move (the table is full up there), it stays where it is, recorded.
 pub fn lift_raw(fd: RawFd) -> RawFd {
-    // SAFETY: F_DUPFD_CLOEXEC duplicates a descriptor we own; returns a new one or -1.
-    let high = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, floor()) };
-    let kept = if high >= 0 {
-        // SAFETY: closing the low duplicate we own (raw: it is not recorded, and memtide's
-        // own close must not depend on the wrappers).
-        unsafe { libc::syscall(libc::SYS_close, fd) };
-        high
-    } else {
-        fd
+    let kept = match dup_high(fd) {
+        Some(high) => {
+            // SAFETY: closing the low duplicate we own (raw: it is not recorded, and
+            // memtide's own close must not depend on the wrappers).
+            unsafe { libc::syscall(libc::SYS_close, fd) };
+            high
+        }
+        None => fd,
     };
     record(kept);
     kept
@@ -122,18 +128,11 @@ impl<T: AsRawFd> Drop for Lifted<T> {
     }
 }
 
-/// Moves an owned descriptor high and records it.
-pub fn lift(fd: OwnedFd) -> Lifted<OwnedFd> {
-    let raw = std::os::fd::IntoRawFd::into_raw_fd(fd);
+/// Moves the descriptor a value owns (an `OwnedFd`, a `File`) high and records it.
+pub fn lift<T: AsRawFd + IntoRawFd + FromRawFd>(owner: T) -> Lifted<T> {
+    let raw = owner.into_raw_fd();
     // SAFETY: lift_raw returns a descriptor we own in place of `raw`.
-    Lifted(unsafe { OwnedFd::from_raw_fd(lift_raw(raw)) })
-}
-
-/// Moves an open file's descriptor high and records it.
-pub fn lift_file(file: std::fs::File) -> Lifted<std::fs::File> {
-    let raw = std::os::fd::IntoRawFd::into_raw_fd(file);
-    // SAFETY: lift_raw returns a descriptor we own in place of `raw`.
-    Lifted(unsafe { std::fs::File::from_raw_fd(lift_raw(raw)) })
+    Lifted(unsafe { T::from_raw_fd(lift_raw(raw)) })
 }
 
 /// Forgets every record: in a child forked without exec, whose engine serves nothing, the
@@ -148,12 +147,10 @@ pub fn forget_all() {
 /// high descriptor with the parameters the kernel filled in.
 pub fn lift_ring(ring: io_uring::IoUring) -> std::io::Result<Lifted<io_uring::IoUring>> {
     let params = ring.params().clone();
-    // SAFETY: duplicates the ring's descriptor, which `ring` owns.
-    let high = unsafe { libc::fcntl(ring.as_raw_fd(), libc::F_DUPFD_CLOEXEC, floor()) };
-    if high < 0 {
+    let Some(high) = dup_high(ring.as_raw_fd()) else {
         record(ring.as_raw_fd());
         return Ok(Lifted(ring));
-    }
+    };
     drop(ring);
     // SAFETY: `high` is a descriptor we own referring to the ring set up with `params`.
     let ring = unsafe { io_uring::IoUring::from_fd(high, params) }?;
@@ -164,6 +161,7 @@ pub fn lift_ring(ring: io_uring::IoUring) -> std::io::Result<Lifted<io_uring::Io
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::OwnedFd;
 
     #[test]
     fn a_lifted_descriptor_is_high_close_on_exec_and_recorded_until_dropped() {

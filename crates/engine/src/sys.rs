@@ -587,11 +587,11 @@ pub fn wait_child(pid: u32) -> io::Result<(i32, Usage)> {
     }
 }
 
-/// Gives `file` `bytes` of allocated blocks (fallocate), as a swap file needs.
-pub fn allocate(file: &std::fs::File, bytes: u64) -> io::Result<()> {
-    use std::os::fd::AsRawFd;
-    // SAFETY: fallocate on a descriptor the caller's File owns.
-    if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, bytes as libc::off_t) } != 0 {
+/// Gives the file `fd` refers to `bytes` of allocated blocks (fallocate), as a swap file or
+/// a tier file needs.
+pub fn allocate(fd: &impl std::os::fd::AsRawFd, bytes: u64) -> io::Result<()> {
+    // SAFETY: fallocate on a descriptor the caller owns.
+    if unsafe { libc::fallocate(fd.as_raw_fd(), 0, 0, bytes as libc::off_t) } != 0 {
         return Err(io::Error::last_os_error());
     }
     Ok(())

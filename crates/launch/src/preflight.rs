@@ -76,38 +76,19 @@ pub fn check_tier(path: &Path, tier_size: Option<u64>) -> Result<bool> {
         );
     }
     let probe = dir.join(format!(".memtide-probe-{}", std::process::id()));
-    let c = CString::new(probe.as_os_str().as_bytes()).context("tier path has a NUL byte")?;
-    let flags = libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC;
-    // SAFETY: NUL-terminated path.
-    let fd = unsafe { libc::open(c.as_ptr(), flags, 0o600) };
-    // SAFETY: plain fcntl calls on our fd (checked below).
-    let buffered = fd >= 0
-        && unsafe {
-            let fl = libc::fcntl(fd, libc::F_GETFL);
-            libc::fcntl(fd, libc::F_SETFL, fl | libc::O_DIRECT) != 0
-        };
-    if fd < 0 {
-        let e = std::io::Error::last_os_error();
-        return Err(match e.raw_os_error() {
+    CString::new(probe.as_os_str().as_bytes()).context("tier path has a NUL byte")?;
+    let (file, direct) =
+        memtide_engine::sys::create_new_direct(&probe).map_err(|e| match e.raw_os_error() {
             Some(libc::EACCES) | Some(libc::EPERM) | Some(libc::EROFS) => anyhow::anyhow!(
                 "tier path {} is not writable: choose a directory this user can write to",
                 dir.display()
             ),
             _ => anyhow::anyhow!("cannot create a file in tier path {}: {e}", dir.display()),
-        });
-    }
-    // SAFETY: plain system calls on our fd and path.
-    let room = unsafe {
-        let r = libc::fallocate(fd, 0, 0, 1 << 20);
-        let err = std::io::Error::last_os_error();
-        libc::close(fd);
-        libc::unlink(c.as_ptr());
-        if r < 0 {
-            Some(err)
-        } else {
-            None
-        }
-    };
+        })?;
+    let buffered = !direct;
+    let room = memtide_engine::sys::allocate(&file, 1 << 20).err();
+    drop(file);
+    let _ = std::fs::remove_file(&probe);
     if let Some(e) = room {
         if e.raw_os_error() == Some(libc::ENOSPC) {
             bail!(

@@ -53,7 +53,7 @@ impl Recorder {
             dropped: AtomicU64::new(0),
             written: AtomicU64::new(0),
             start_ns,
-            out: Mutex::new(Some(crate::fds::lift_file(file))),
+            out: Mutex::new(Some(crate::fds::lift(file))),
             path: path.to_path_buf(),
         })
     }

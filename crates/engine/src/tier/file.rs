@@ -125,10 +125,7 @@ impl Backend for FileTier {
         if bytes <= self.size.load(Ordering::Relaxed) {
             return Ok(());
         }
-        // SAFETY: plain system call on our own fd.
-        let ret = unsafe { libc::fallocate(self.fd.as_raw_fd(), 0, 0, bytes as libc::off_t) };
-        if ret < 0 {
-            let e = io::Error::last_os_error();
+        if let Err(e) = sys::allocate(&*self.fd, bytes) {
             if e.raw_os_error() != Some(libc::EOPNOTSUPP) {
                 return Err(e);
             }
