@@ -16,10 +16,41 @@ use memtide_engine::launch::{die_with_parent, StatsDir};
 use memtide_sim::workload::{scatter_stride, Rng, Zipf};
 use serde::Serialize;
 
-use crate::bench::BenchArgs;
 use crate::demo::Placement;
+use crate::lab::{beyond_quota, config_width, swap_peer, Common, Configs, SameDram};
 use crate::report::median;
 use crate::summary;
+use crate::system::{interrupted, set_zswap};
+
+/// The key-value experiments' flags (`memcached`, `redis`).
+#[derive(clap::Args, Debug)]
+pub struct KvArgs {
+    /// Key popularity skews (zipf) for memcached and redis.
+    #[arg(long, value_delimiter = ',', default_value = "0.99,0.8")]
+    pub skews: Vec<f64>,
+    /// Client connections driving memcached and redis.
+    #[arg(long, default_value_t = 4)]
+    pub clients: usize,
+    /// Bytes per value for memcached and redis.
+    #[arg(long, default_value_t = 4000)]
+    pub value_bytes: usize,
+}
+
+impl KvArgs {
+    /// Refuses skews, connections and value sizes it cannot run.
+    pub fn check(&self) -> Result<()> {
+        if self.skews.iter().any(|s| !(*s > 0.0 && *s < 4.0)) {
+            bail!("--skews: give zipf skews between 0 and 4, like 0.99,0.8");
+        }
+        if self.clients == 0 || self.clients > 256 {
+            bail!("--clients: give 1 to 256 connections");
+        }
+        if !(16..=1 << 20).contains(&self.value_bytes) {
+            bail!("--value-bytes: give 16 bytes to 1 MiB");
+        }
+        Ok(())
+    }
+}
 
 /// Which server.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -331,13 +362,14 @@ fn device_faults(place: &Placement, stats_dir: &Path) -> Option<u64> {
 
 /// One run: start the server in `place`, load the dataset, warm up, measure.
 fn one_run(
-    a: &BenchArgs,
+    a: &Common,
+    x: &KvArgs,
     server: Server,
     skew: f64,
     place: &Placement,
     label: &str,
 ) -> Result<RunRecord> {
-    let keys = (a.footprint / a.value_bytes as u64).max(1);
+    let keys = (a.footprint / x.value_bytes as u64).max(1);
     let port = free_port()?;
     let stats = StatsDir::new().context("cannot create a directory for the statistics")?;
     let mut cmd = server.command(port, a.footprint, keys);
@@ -354,7 +386,7 @@ fn one_run(
     let t0 = Instant::now();
     let loaded = AtomicU64::new(0);
     std::thread::scope(|s| -> Result<()> {
-        let handles: Vec<_> = (0..a.clients as u64)
+        let handles: Vec<_> = (0..x.clients as u64)
             .map(|c| {
                 let loaded = &loaded;
                 s.spawn(move || -> Result<()> {
@@ -362,9 +394,9 @@ fn one_run(
                     let mut k = c * 32;
                     while k < keys {
                         let batch: Vec<u64> = (k..(k + 32).min(keys)).collect();
-                        conn.set_many(&batch, a.value_bytes)?;
+                        conn.set_many(&batch, x.value_bytes)?;
                         loaded.fetch_add(batch.len() as u64, Ordering::Relaxed);
-                        k += 32 * a.clients as u64;
+                        k += 32 * x.clients as u64;
                     }
                     Ok(())
                 })
@@ -381,7 +413,7 @@ fn one_run(
     eprintln!(
         "{label}: loaded {} keys ({} of values) in {load_seconds:.1} s",
         keys,
-        memtide_engine::size::format(keys * a.value_bytes as u64)
+        memtide_engine::size::format(keys * x.value_bytes as u64)
     );
 
     // Drive: closed loop per connection; warm-up, then measure.
@@ -392,7 +424,7 @@ fn one_run(
     let stride = scatter_stride(keys);
     let (mut faults0, mut faults1) = (None, None);
     let results: Vec<Result<(Vec<u32>, u64, u64)>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..a.clients as u64)
+        let handles: Vec<_> = (0..x.clients as u64)
             .map(|c| {
                 let (measuring, stop, zipf) = (&measuring, &stop, &zipf);
                 s.spawn(move || -> Result<(Vec<u32>, u64, u64)> {
@@ -408,12 +440,12 @@ fn one_run(
                             if !conn.get(k, &mut buf)? {
                                 bail!("key {k} is missing: the server lost it");
                             }
-                            if buf != value(k, a.value_bytes) {
+                            if buf != value(k, x.value_bytes) {
                                 bail!("key {k} read back a wrong value: data corrupted");
                             }
                             verified += 1;
                         } else {
-                            conn.set_many(&[k], a.value_bytes)?;
+                            conn.set_many(&[k], x.value_bytes)?;
                         }
                         if measuring.load(Ordering::Relaxed) {
                             lat.push(t.elapsed().as_nanos().min(u32::MAX as u128) as u32);
@@ -462,7 +494,7 @@ fn one_run(
     let collected = summary::collect(&stats.0);
     let latest = collected.main().map(|(s, _)| s);
     let peak_dram = latest.map(|s| s.peak_dram_bytes);
-    let unmanaged = latest.map(|s| crate::bench::beyond_quota(s, s.process_peak_rss_bytes));
+    let unmanaged = latest.map(|s| beyond_quota(s, s.process_peak_rss_bytes));
     Ok(RunRecord {
         server: server.name().into(),
         skew,
@@ -484,33 +516,34 @@ fn one_run(
 /// Runs the experiment for `server` under every configuration; prints the table, writes the
 /// plot, and returns the JSON section.
 pub fn run(
-    a: &BenchArgs,
+    a: &Common,
+    x: &KvArgs,
     server: Server,
-    configs: &crate::bench::Configs,
+    configs: &Configs,
     zswap: bool,
 ) -> Result<serde_json::Value> {
-    let mut same_dram = crate::bench::SameDram::new(a, configs);
+    let mut same_dram = SameDram::new(a, configs);
     let configs = &configs.0;
     eprintln!(
         "{}: {} of {}-byte values, zipf {:?}, 90% gets / 10% sets, {} connections",
         server.name(),
         memtide_engine::size::format(a.footprint),
-        a.value_bytes,
-        a.skews,
-        a.clients
+        x.value_bytes,
+        x.skews,
+        x.clients
     );
-    let total = a.reps() * a.skews.len() * configs.len();
+    let total = a.reps() * x.skews.len() * configs.len();
     let mut records: Vec<RunRecord> = Vec::new();
     let started = Instant::now();
     for rep in 0..a.reps() {
-        for &skew in &a.skews {
+        for &skew in &x.skews {
             for (name, budget, place, zswap_on) in configs {
                 let budget = *budget;
-                if crate::bench::interrupted() {
+                if interrupted() {
                     bail!("interrupted; settings restored");
                 }
                 if zswap {
-                    crate::bench::set_zswap(*zswap_on)?;
+                    set_zswap(*zswap_on)?;
                 }
                 let label = format!(
                     "{} {} zipf {skew} {name}",
@@ -518,7 +551,7 @@ pub fn run(
                     server.name()
                 );
                 let cgroup_limit = same_dram.before(name, budget, place)?;
-                let mut r = match one_run(a, server, skew, place, &label) {
+                let mut r = match one_run(a, x, server, skew, place, &label) {
                     Ok(r) => r,
                     Err(e) if matches!(place, Placement::Cgroup { .. }) => {
                         eprintln!("{label}: failed: {e:#}");
@@ -556,7 +589,7 @@ pub fn run(
                 .collect(),
         )
     };
-    let cw = crate::bench::config_width(configs.iter().map(|c| c.0.as_str()));
+    let cw = config_width(configs.iter().map(|c| c.0.as_str()));
     println!();
     println!(
         "{:<9} {:>5} {:<cw$} {:>10} {:>8} {:>8} {:>9} {:>9} {:>8} {:>10}",
@@ -572,12 +605,12 @@ pub fn run(
         "reads/req"
     );
     let mut rows = Vec::new();
-    for &skew in &a.skews {
+    for &skew in &x.skews {
         let dram = med(skew, "all-DRAM", &|r| r.ops_per_sec);
         let dram_p99 = med(skew, "all-DRAM", &|r| r.p99_us);
         for (c, budget, _, _) in configs {
             let ops = med(skew, c, &|r| r.ops_per_sec);
-            let vs_swap = crate::bench::swap_peer(c, *budget)
+            let vs_swap = swap_peer(c, *budget)
                 .map(|swap| ops / med(skew, &swap, &|r| r.ops_per_sec))
                 .filter(|v| v.is_finite());
             let row = Row {
@@ -620,7 +653,7 @@ pub fn run(
     same_dram.print();
     let mut series = Vec::new();
     for family in ["memtide", "Linux swap", "zswap"] {
-        for &skew in &a.skews {
+        for &skew in &x.skews {
             let points: Vec<(f64, f64)> = rows
                 .iter()
                 .filter(|r| r.skew == skew && r.config.starts_with(family))
@@ -647,9 +680,9 @@ pub fn run(
     )
     .write(&path)?;
     Ok(serde_json::json!({
-        "value_bytes": a.value_bytes,
-        "clients": a.clients,
-        "skews": a.skews,
+        "value_bytes": x.value_bytes,
+        "clients": x.clients,
+        "skews": x.skews,
         "seconds": a.seconds,
         "warmup": a.warmup,
         "rows": rows,

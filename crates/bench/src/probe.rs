@@ -305,7 +305,7 @@ pub fn probe(a: ProbeArgs) -> Result<ExitCode> {
             if other > SLOW_WAKE_US && other > 4.0 * same {
                 " — slow: idle CPUs halt without polling (as on a VM), and each fault served by \
                  handler threads (the default) wakes every CPU's handler; the guest's halt polling \
-                 (guest_halt_poll_ns) or `--faults signal` avoids that (BENCHMARKS.md, tenth run)"
+                 (guest_halt_poll_ns) or `--faults signal` avoids that (docs/notebook/2026-11-25-10-placement-engine.md)"
             } else {
                 ""
             }

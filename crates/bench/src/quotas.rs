@@ -17,8 +17,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use memtide_engine::size::format as bytes;
 
-use crate::bench::BenchArgs;
+use crate::lab::Common;
 use crate::report::median;
+use crate::tenants::TenantArgs;
 
 /// The tenants: name, share of the footprint that is hot, seconds after the start it joins.
 const TENANTS: [(&str, f64, u64); 4] = [
@@ -32,7 +33,13 @@ const RATE: u64 = 150_000;
 const WARMUP: u64 = 15;
 
 /// One tenant's run: its measured throughput.
-fn spawn_tenant(exe: &Path, placement: &[String], a: &BenchArgs, t: usize) -> Result<Child> {
+fn spawn_tenant(
+    exe: &Path,
+    placement: &[String],
+    a: &Common,
+    x: &TenantArgs,
+    t: usize,
+) -> Result<Child> {
     let (name, hot, join) = TENANTS[t];
     // Every measured phase ends together: the late tenant measures 10 s less.
     let seconds = 30 - join;
@@ -43,7 +50,7 @@ fn spawn_tenant(exe: &Path, placement: &[String], a: &BenchArgs, t: usize) -> Re
         .arg(&a.tier)
         .args(["-q", "--name", name, "--"])
         .arg(exe)
-        .args(["workload", "--footprint", &a.tenant_footprint.to_string()])
+        .args(["workload", "--footprint", &x.tenant_footprint.to_string()])
         .args(["--hot", &format!("{}%", hot * 100.0), "--hot-share", "100%"])
         .args(["--rate", &RATE.to_string(), "--warmup", &WARMUP.to_string()])
         .args([
@@ -82,7 +89,8 @@ fn throughput(child: Child, name: &str) -> Result<f64> {
 /// Starts the tenants on their schedule and returns their throughputs.
 fn run_tenants(
     exe: &Path,
-    a: &BenchArgs,
+    a: &Common,
+    x: &TenantArgs,
     placement: impl Fn(usize) -> Vec<String>,
 ) -> Result<Vec<f64>> {
     let start = Instant::now();
@@ -94,7 +102,7 @@ fn run_tenants(
         if let Some(wait) = at.checked_sub(start.elapsed()) {
             std::thread::sleep(wait);
         }
-        children.push((t, spawn_tenant(exe, &placement(t), a, t)?));
+        children.push((t, spawn_tenant(exe, &placement(t), a, x, t)?));
     }
     let mut out = vec![0.0; TENANTS.len()];
     for (t, c) in children {
@@ -113,15 +121,15 @@ struct Watch {
     late_quota: Vec<(f64, u64)>,
 }
 
-pub fn quotas(a: &BenchArgs) -> Result<serde_json::Value> {
+pub fn quotas(a: &Common, x: &TenantArgs) -> Result<serde_json::Value> {
     let exe = std::env::current_exe().context("cannot locate the memtide binary")?;
-    let budget = a.host_dram;
+    let budget = x.host_dram;
     let share = budget / TENANTS.len() as u64;
     let min = budget / 16;
     println!(
         "quotas: {} tenants of {} each share {} ({}/{}/{}/{} of each hot, {} accesses/s each; `{}` joins after 10 s), {} rep(s)",
         TENANTS.len(),
-        bytes(a.tenant_footprint),
+        bytes(x.tenant_footprint),
         bytes(budget),
         TENANTS[0].1 * 100.0,
         TENANTS[1].1 * 100.0,
@@ -139,7 +147,7 @@ pub fn quotas(a: &BenchArgs) -> Result<serde_json::Value> {
     let mut follow: Vec<f64> = Vec::new();
     let (mut samples, mut over, mut below) = (0u64, 0u64, 0u64);
     for rep in 0..a.reps() {
-        let s = run_tenants(&exe, a, |_| vec!["--dram".into(), share.to_string()])?;
+        let s = run_tenants(&exe, a, x, |_| vec!["--dram".into(), share.to_string()])?;
         println!(
             "  rep {}: static 1/{}     {}",
             rep + 1,
@@ -147,7 +155,7 @@ pub fn quotas(a: &BenchArgs) -> Result<serde_json::Value> {
             row(&s)
         );
         statics.push(s);
-        let (q, watch) = with_daemon(&exe, a, &socket, budget, min)?;
+        let (q, watch) = with_daemon(&exe, a, x, &socket, budget, min)?;
         println!("  rep {}: activeness     {}", rep + 1, row(&q));
         actives.push(q);
         samples += watch.samples;
@@ -193,7 +201,7 @@ pub fn quotas(a: &BenchArgs) -> Result<serde_json::Value> {
     );
     Ok(serde_json::json!({
         "budget_bytes": budget,
-        "tenant_footprint": a.tenant_footprint,
+        "tenant_footprint": x.tenant_footprint,
         "tenants": TENANTS.iter().map(|t| serde_json::json!({"name": t.0, "hot": t.1, "joins_after_seconds": t.2})).collect::<Vec<_>>(),
         "rate": RATE,
         "static": statics,
@@ -226,14 +234,15 @@ fn settle_time(q: &[(f64, u64)]) -> Option<f64> {
 /// One activeness run: a daemon, the tenants as its guests, and a thread sampling its status.
 fn with_daemon(
     exe: &Path,
-    a: &BenchArgs,
+    a: &Common,
+    x: &TenantArgs,
     socket: &Path,
     budget: u64,
     min: u64,
 ) -> Result<(Vec<f64>, Watch)> {
     // Tier for everything the tenants hold, as each has in the static split: the comparison
     // is about DRAM.
-    let tier = a.tenant_footprint * TENANTS.len() as u64;
+    let tier = x.tenant_footprint * TENANTS.len() as u64;
     let mut daemon = Command::new(exe)
         .args(["host", "--dram", &budget.to_string(), "--tier"])
         .arg(&a.tier)
@@ -294,7 +303,7 @@ fn with_daemon(
             }
         })
     };
-    let result = run_tenants(exe, a, |_| {
+    let result = run_tenants(exe, a, x, |_| {
         vec![
             format!("--host={}", socket.display()),
             "--dram".into(),

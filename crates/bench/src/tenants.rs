@@ -19,10 +19,38 @@ use anyhow::{bail, Result};
 use memtide_engine::size::format as bytes;
 use serde::Serialize;
 
-use crate::bench::{workload_shape, BenchArgs, TenantCgroups};
 use crate::demo::{run_workload_showing, Outcome, Placement};
+use crate::lab::Common;
+use crate::micro::workload_shape;
+use crate::opts;
 use crate::report::{median, step_label};
+use crate::system::{interrupted, TenantCgroups};
 use crate::workload::WorkloadArgs;
+
+/// The multi-tenant experiments' flags (`density`, `noisy`, `quotas`).
+#[derive(clap::Args, Debug)]
+pub struct TenantArgs {
+    /// Density: the DRAM the tenants share (split evenly among them under memtide and Linux
+    /// swap; all-DRAM fits as many tenants as this holds). Quotas: the host daemon's budget
+    /// (and four times each tenant's static share).
+    #[arg(long, value_parser = opts::nonzero_size, default_value = "512MiB")]
+    pub host_dram: u64,
+    /// Density and quotas: memory each tenant touches; noisy: the sensitive tenant's.
+    #[arg(long, value_parser = opts::nonzero_size, default_value = "256MiB")]
+    pub tenant_footprint: u64,
+    /// Density: the numbers of tenants to try.
+    #[arg(long, value_delimiter = ',', default_value = "2,4,8,12,16,18,20")]
+    pub tenants: Vec<usize>,
+    /// Density: the load each tenant serves, in accesses/s (the green workload, paced).
+    #[arg(long, value_parser = opts::rate, default_value = "100K/s")]
+    pub tenant_rate: f64,
+    /// Noisy: memory the streaming neighbour sweeps over.
+    #[arg(long, value_parser = opts::nonzero_size, default_value = "2GiB")]
+    pub neighbour_footprint: u64,
+    /// Noisy: each tenant's DRAM budget, as a percentage of the sensitive tenant's footprint.
+    #[arg(long, value_parser = opts::percent, default_value = "50")]
+    pub tenant_dram: f64,
+}
 
 /// What the multi-tenant experiments run on.
 pub struct Host<'a> {
@@ -139,10 +167,10 @@ fn run_together(
 
 /// One tenant of the green workload over `--tenant-footprint`, one thread, at `rate`
 /// accesses/s (0: as fast as it can).
-fn green_tenant(a: &BenchArgs, rate: f64, seed: u64) -> WorkloadArgs {
+fn green_tenant(a: &Common, x: &TenantArgs, rate: f64, seed: u64) -> WorkloadArgs {
     let (hot, hot_share) = workload_shape("green").expect("known");
     WorkloadArgs {
-        footprint: a.tenant_footprint,
+        footprint: x.tenant_footprint,
         hot,
         hot_share,
         writes: 0.2,
@@ -280,30 +308,30 @@ pub(crate) fn report_fits(
 }
 
 /// The density experiment.
-pub fn density(a: &BenchArgs, host: &Host) -> Result<serde_json::Value> {
-    let fits = (a.host_dram / a.tenant_footprint) as usize;
+pub fn density(a: &Common, x: &TenantArgs, host: &Host) -> Result<serde_json::Value> {
+    let fits = (x.host_dram / x.tenant_footprint) as usize;
     eprintln!(
         "density: tenants of {} (green workload, {:.0} k accesses/s each) sharing {} of DRAM; all-DRAM fits {fits}",
-        bytes(a.tenant_footprint),
-        a.tenant_rate / 1e3,
-        bytes(a.host_dram)
+        bytes(x.tenant_footprint),
+        x.tenant_rate / 1e3,
+        bytes(x.host_dram)
     );
     let families = Family::all(host);
-    let total = a.reps() * a.tenants.len() * families.len();
+    let total = a.reps() * x.tenants.len() * families.len();
     let started = Instant::now();
     let mut records: Vec<DensityRun> = Vec::new();
     for rep in 0..a.reps() {
-        for &n in &a.tenants {
+        for &n in &x.tenants {
             for &family in &families {
-                if crate::bench::interrupted() {
+                if interrupted() {
                     bail!("interrupted; settings restored");
                 }
                 let each = (family != Family::Dram)
-                    .then(|| (a.host_dram / n as u64) / (1 << 20) * (1 << 20));
+                    .then(|| (x.host_dram / n as u64) / (1 << 20) * (1 << 20));
                 let tenants: Vec<(WorkloadArgs, Option<u64>)> = (0..n)
                     .map(|i| {
                         (
-                            green_tenant(a, a.tenant_rate, (rep * 1000 + i) as u64),
+                            green_tenant(a, x, x.tenant_rate, (rep * 1000 + i) as u64),
                             each,
                         )
                     })
@@ -366,7 +394,7 @@ pub fn density(a: &BenchArgs, host: &Host) -> Result<serde_json::Value> {
         "miss",
         "p99 µs"
     );
-    for &n in &a.tenants {
+    for &n in &x.tenants {
         let reference = median(of(n, Family::Dram).map(mid).collect());
         for &f in &families {
             let row = DensityRow {
@@ -413,8 +441,8 @@ pub fn density(a: &BenchArgs, host: &Host) -> Result<serde_json::Value> {
     println!(
         "all-DRAM fits {fits} tenant{} of {} in {}.",
         if fits == 1 { "" } else { "s" },
-        bytes(a.tenant_footprint),
-        bytes(a.host_dram)
+        bytes(x.tenant_footprint),
+        bytes(x.host_dram)
     );
     let fit_rows: Vec<Fit> = rows
         .iter()
@@ -428,7 +456,7 @@ pub fn density(a: &BenchArgs, host: &Host) -> Result<serde_json::Value> {
     let densities = report_fits(
         "tenants",
         fits,
-        &a.tenants,
+        &x.tenants,
         &families
             .iter()
             .filter(|&&f| f != Family::Dram)
@@ -437,15 +465,15 @@ pub fn density(a: &BenchArgs, host: &Host) -> Result<serde_json::Value> {
         &fit_rows,
         format!(
             "memtide bench: density, tenants of {} sharing {} of DRAM",
-            bytes(a.tenant_footprint),
-            bytes(a.host_dram)
+            bytes(x.tenant_footprint),
+            bytes(x.host_dram)
         ),
         &PathBuf::from(format!("{}-density.svg", a.plot.display())),
     )?;
     Ok(serde_json::json!({
-        "host_dram": a.host_dram,
-        "tenant_footprint": a.tenant_footprint,
-        "tenant_rate": a.tenant_rate,
+        "host_dram": x.host_dram,
+        "tenant_footprint": x.tenant_footprint,
+        "tenant_rate": x.tenant_rate,
         "all_dram_fits": fits,
         "rows": rows,
         "density": densities,
@@ -481,20 +509,20 @@ struct NoisyRow {
 }
 
 /// The noisy-neighbour experiment.
-pub fn noisy(a: &BenchArgs, host: &Host) -> Result<serde_json::Value> {
+pub fn noisy(a: &Common, x: &TenantArgs, host: &Host) -> Result<serde_json::Value> {
     let budget =
-        ((a.tenant_footprint as f64 * a.tenant_dram / 100.0) as u64).next_multiple_of(1 << 20);
+        ((x.tenant_footprint as f64 * x.tenant_dram / 100.0) as u64).next_multiple_of(1 << 20);
     eprintln!(
         "noisy neighbour: a tenant of {} (green workload, as fast as it can) beside one streaming over {}, each with {} of DRAM",
-        bytes(a.tenant_footprint),
-        bytes(a.neighbour_footprint),
+        bytes(x.tenant_footprint),
+        bytes(x.neighbour_footprint),
         bytes(budget)
     );
-    let sensitive = |rep: usize| green_tenant(a, 0.0, rep as u64);
+    let sensitive = |rep: usize| green_tenant(a, x, 0.0, rep as u64);
     // The streamer starts its sweep during the sensitive tenant's warm-up and keeps going
     // past its end.
     let streamer = WorkloadArgs {
-        footprint: a.neighbour_footprint,
+        footprint: x.neighbour_footprint,
         hot: 1.0,
         hot_share: 1.0,
         writes: 0.2,
@@ -512,7 +540,7 @@ pub fn noisy(a: &BenchArgs, host: &Host) -> Result<serde_json::Value> {
     for rep in 0..a.reps() {
         for &family in &families {
             for beside in [false, true] {
-                if crate::bench::interrupted() {
+                if interrupted() {
                     bail!("interrupted; settings restored");
                 }
                 let dram = (family != Family::Dram).then_some(budget);
@@ -582,7 +610,7 @@ pub fn noisy(a: &BenchArgs, host: &Host) -> Result<serde_json::Value> {
     for &f in &families {
         let name = match f {
             Family::Dram => f.name().to_string(),
-            _ => format!("{} {:.0}%", f.name(), a.tenant_dram),
+            _ => format!("{} {:.0}%", f.name(), x.tenant_dram),
         };
         let (alone, beside) = (med(f, false, &tp), med(f, true, &tp));
         let row = NoisyRow {
@@ -619,8 +647,8 @@ pub fn noisy(a: &BenchArgs, host: &Host) -> Result<serde_json::Value> {
     }
     println!("(beside the streamer: against all-DRAM alone and all-DRAM beside the streamer; neighbour: beside / alone in the same placement)");
     Ok(serde_json::json!({
-        "tenant_footprint": a.tenant_footprint,
-        "neighbour_footprint": a.neighbour_footprint,
+        "tenant_footprint": x.tenant_footprint,
+        "neighbour_footprint": x.neighbour_footprint,
         "dram_each": budget,
         "rows": rows,
         "runs": records,

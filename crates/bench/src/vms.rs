@@ -20,10 +20,39 @@ use memtide_engine::launch::{die_with_parent, StatsDir};
 use memtide_engine::size::format as bytes;
 use serde::Serialize;
 
-use crate::bench::{config_width, variant, BenchArgs};
 use crate::demo::Placement;
+use crate::lab::{config_width, variant, Common};
+use crate::opts;
 use crate::report::{median, step_label};
+use crate::system::interrupted;
 use crate::tenants::{report_fits, Family, Fit, Host};
+
+/// The VM experiment's flags (`vms`).
+#[derive(clap::Args, Debug)]
+pub struct VmArgs {
+    /// VMs: the DRAM the guests share (split evenly among them under memtide and Linux swap;
+    /// all-DRAM fits as many 1 GiB guests as this holds).
+    #[arg(long, value_parser = opts::nonzero_size, default_value = "2GiB")]
+    pub vm_dram: u64,
+    /// VMs: the numbers of guests to try.
+    #[arg(long, value_delimiter = ',', default_value = "4,5,6,7")]
+    pub guests: Vec<usize>,
+    /// VMs: the load each guest serves, in accesses/s (a TCG guest on one CPU manages about
+    /// 3M/s, so the default leaves room for many guests per CPU).
+    #[arg(long, value_parser = opts::rate, default_value = "200K/s")]
+    pub guest_rate: f64,
+    /// VMs: seconds each guest serves its load before measuring (after booting and filling
+    /// its memory; the part it touches most must come back from tier 1 or swap first).
+    #[arg(long, value_parser = opts::seconds_or_zero, default_value = "15")]
+    pub guest_warmup: f64,
+    /// VMs: seconds measured per guest.
+    #[arg(long, value_parser = opts::seconds, default_value = "10")]
+    pub guest_seconds: f64,
+    /// VMs: directory with the test guest's vmlinuz and initramfs (from vm/build-guest.sh;
+    /// default: target/guest beside the memtide binary, built there on first use).
+    #[arg(long)]
+    pub guest: Option<PathBuf>,
+}
 
 /// Guest RAM, and how much of it the guest's load fills.
 pub const GUEST_RAM: u64 = 1 << 30;
@@ -326,7 +355,7 @@ struct VmConfig {
 /// Every configuration: all-DRAM, memtide for each `--policy` and `--faults` (SIGBUS delivery
 /// only under TCG: KVM reads guest memory from the kernel, which SIGBUS delivery fails with
 /// EFAULT), and Linux swap where the machine allows it.
-fn configs(a: &BenchArgs, host: &Host, accel: Accel) -> Vec<VmConfig> {
+fn configs(a: &Common, host: &Host, accel: Accel) -> Vec<VmConfig> {
     let mut out = Vec::new();
     for family in Family::all(host) {
         if family != Family::Memtide {
@@ -405,7 +434,7 @@ fn run_guests(
     config: &VmConfig,
     host: &Host,
     g: &Guests,
-    a: &BenchArgs,
+    x: &VmArgs,
     n: usize,
     share: u64,
 ) -> Result<Vec<GuestRun>> {
@@ -419,13 +448,13 @@ fn run_guests(
     }
     let settings = format!(
         "mode=paced fill_mib={FILL_MIB} rate={:.0} warmup={:.0} seconds={:.0} active_pct={ACTIVE_PCT} hot_pct={HOT_PCT}",
-        a.guest_rate,
-        a.guest_warmup.ceil(),
-        a.guest_seconds.ceil()
+        x.guest_rate,
+        x.guest_warmup.ceil(),
+        x.guest_seconds.ceil()
     );
     // Booting and filling take about 8 s of CPU per guest under TCG, and the guests share
     // the machine's CPUs; be generous before calling a guest stuck.
-    let limit = Duration::from_secs_f64(120.0 + 30.0 * n as f64 + a.guest_warmup + a.guest_seconds);
+    let limit = Duration::from_secs_f64(120.0 + 30.0 * n as f64 + x.guest_warmup + x.guest_seconds);
     let results: Vec<Result<GuestRun>> = std::thread::scope(|s| {
         let handles: Vec<_> = procs
             .iter()
@@ -611,13 +640,13 @@ struct VmRow {
 }
 
 /// The VM density experiment.
-pub fn vms(a: &BenchArgs, host: &Host, g: &Guests) -> Result<serde_json::Value> {
-    let fits = (a.vm_dram / GUEST_RAM) as usize;
+pub fn vms(a: &Common, x: &VmArgs, host: &Host, g: &Guests) -> Result<serde_json::Value> {
+    let fits = (x.vm_dram / GUEST_RAM) as usize;
     eprintln!(
         "vms: guests of {} ({FILL_MIB} MiB filled; {HOT_PCT}% of accesses to {ACTIVE_PCT}% of it, the rest anywhere) at {:.0} k accesses/s each, sharing {} of DRAM; all-DRAM fits {fits}",
         bytes(GUEST_RAM),
-        a.guest_rate / 1e3,
-        bytes(a.vm_dram)
+        x.guest_rate / 1e3,
+        bytes(x.vm_dram)
     );
     let configs = configs(a, host, g.accel);
     if !configs.iter().any(|c| c.family == Family::Memtide) {
@@ -628,14 +657,14 @@ pub fn vms(a: &BenchArgs, host: &Host, g: &Guests) -> Result<serde_json::Value> 
             "vms: no SIGBUS delivery under KVM (KVM reads guest memory from the kernel, which it would fail)"
         );
     }
-    let total = a.guest_reps() * a.guests.len() * configs.len();
+    let total = a.guest_reps() * x.guests.len() * configs.len();
     let started = Instant::now();
     let mut records: Vec<VmRun> = Vec::new();
     for rep in 0..a.guest_reps() {
-        for &n in &a.guests {
-            let share = (a.vm_dram / n as u64) / (1 << 20) * (1 << 20);
+        for &n in &x.guests {
+            let share = (x.vm_dram / n as u64) / (1 << 20) * (1 << 20);
             for config in &configs {
-                if crate::bench::interrupted() {
+                if interrupted() {
                     bail!("interrupted; settings restored");
                 }
                 let label = format!(
@@ -653,7 +682,7 @@ pub fn vms(a: &BenchArgs, host: &Host, g: &Guests) -> Result<serde_json::Value> 
                     }
                 );
                 eprintln!("{label}: running");
-                let runs = run_guests(config, host, g, a, n, share)?;
+                let runs = run_guests(config, host, g, x, n, share)?;
                 let tp: Vec<f64> = runs.iter().map(|r| r.achieved.unwrap_or(0.0)).collect();
                 let killed = runs.iter().filter(|r| r.failed.is_some()).count();
                 eprintln!(
@@ -717,7 +746,7 @@ pub fn vms(a: &BenchArgs, host: &Host, g: &Guests) -> Result<serde_json::Value> 
         "handler wait/run",
         "measured dev/hint"
     );
-    for &n in &a.guests {
+    for &n in &x.guests {
         let reference = median(of(n, "all-DRAM").map(mid).collect());
         for c in &configs {
             let name = c.name.as_str();
@@ -789,7 +818,7 @@ pub fn vms(a: &BenchArgs, host: &Host, g: &Guests) -> Result<serde_json::Value> 
         "all-DRAM fits {fits} guest{} of {} in {}; memtide's budget per guest is its share less {} for QEMU's own memory, which memtide does not manage.",
         if fits == 1 { "" } else { "s" },
         bytes(GUEST_RAM),
-        bytes(a.vm_dram),
+        bytes(x.vm_dram),
         bytes(QEMU_OWN)
     );
     let fit_rows: Vec<Fit> = rows
@@ -804,7 +833,7 @@ pub fn vms(a: &BenchArgs, host: &Host, g: &Guests) -> Result<serde_json::Value> 
     let densities = report_fits(
         "guests",
         fits,
-        &a.guests,
+        &x.guests,
         &configs
             .iter()
             .filter(|c| c.family != Family::Dram)
@@ -814,18 +843,18 @@ pub fn vms(a: &BenchArgs, host: &Host, g: &Guests) -> Result<serde_json::Value> 
         format!(
             "memtide bench: VM density, guests of {} sharing {} of DRAM",
             bytes(GUEST_RAM),
-            bytes(a.vm_dram)
+            bytes(x.vm_dram)
         ),
         &PathBuf::from(format!("{}-vms.svg", a.plot.display())),
     )?;
     Ok(serde_json::json!({
         "reps": a.guest_reps(),
-        "host_dram": a.vm_dram,
+        "host_dram": x.vm_dram,
         "guest_ram": GUEST_RAM,
         "fill_mib": FILL_MIB,
         "active_pct": ACTIVE_PCT,
         "hot_pct": HOT_PCT,
-        "guest_rate": a.guest_rate,
+        "guest_rate": x.guest_rate,
         "accel": format!("{:?}", g.accel),
         "all_dram_fits": fits,
         "rows": rows,

@@ -139,7 +139,7 @@ fn main() -> ExitCode {
         Cmd::Status(a) => host::status(a),
         Cmd::Top(a) => top::top(a),
         Cmd::Probe(a) => probe::probe(a),
-        Cmd::BenchJanitor => bench::janitor(),
+        Cmd::BenchJanitor => memtide_bench::system::janitor(),
         Cmd::Workload(a) => workload::main(a),
     };
     match result {

@@ -335,7 +335,7 @@ pub fn plan(a: PlanArgs) -> Result<ExitCode> {
         let jobs: Vec<Job> = fractions
             .iter()
             .map(|f| Job {
-                policy: "memtide".into(),
+                policy: "placement".into(),
                 dram_pages: ((p.pages as f64 * f).round() as u64).max(1),
             })
             .collect();

@@ -15,12 +15,10 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 
 use memtide_engine::launch::{self, die_with_parent, forward_signals, Settings, StatsDir};
-use memtide_engine::size::format as bytes;
-use memtide_host::client::{default_socket, Client};
-use memtide_host::protocol::{
-    HostStatus, Registration, Request, Response, TenantReport, TenantStatus,
-};
+use memtide_host::client::default_socket;
+use memtide_host::protocol::{HostStatus, Registration, TenantReport, TenantStatus};
 
+use memtide_launch::host_link::{pinned_report, HostLink};
 use memtide_launch::{opts, preflight, summary};
 
 #[derive(Args, Debug)]
@@ -50,15 +48,16 @@ pub struct RunArgs {
     /// How faults in managed memory are served: `threads` (handler threads, one per CPU;
     /// system calls, io_uring and other kernel accesses to managed memory wait for the page)
     /// or `signal` (in the faulting thread, from SIGBUS: no handler threads, but a kernel
-    /// access to an evicted page fails unless memtide wrapped the call). See README, "How it
-    /// works".
+    /// access to an evicted page fails unless memtide wrapped the call). See docs/design.md,
+    /// "Fault delivery".
     #[arg(long, value_parser = opts::delivery, default_value = "threads")]
     pub faults: memtide_engine::Delivery,
-    /// Which pages leave DRAM: `clock` (a CLOCK sweep over pages idle for the most epochs;
-    /// the default) or `placement` (new pages on probation in a small FIFO queue, pages used
-    /// again in a SIEVE queue, as `memtide sim --policy memtide` replays it; misses less on
-    /// skewed workloads and keeps a hot set through a scan, at the cost of more hint faults).
-    #[arg(long, value_parser = opts::eviction_policy, default_value = "clock")]
+    /// Which pages leave DRAM: `sweep` (a CLOCK sweep over pages idle for the most epochs;
+    /// the default; `clock` is an older name) or `placement` (new pages on probation in a
+    /// small FIFO queue, pages used again in a SIEVE queue; misses less on skewed workloads and
+    /// keeps a hot set through a scan, at the cost of more hint faults). `memtide sim --policy`
+    /// replays each under the same name.
+    #[arg(long, value_parser = opts::eviction_policy, default_value = "sweep")]
     pub policy: memtide_engine::EvictionPolicy,
     /// Make the program a tenant of the host daemon (`memtide host`) at this socket (default
     /// /run/memtide/host.sock, or MEMTIDE_HOST_SOCKET): its DRAM quota then follows the host's
@@ -150,140 +149,6 @@ struct View {
     tenant: u64,
 }
 
-/// The tenant's connection to the host daemon: registers, reports, and keeps the last quota
-/// when the daemon goes away (registering again when it returns).
-struct HostLink {
-    socket: PathBuf,
-    registration: Registration,
-    client: Option<Client>,
-    quota: u64,
-    /// The tenant's share of the host's tier capacity, as last heard.
-    tier: u64,
-    tenant: u64,
-    /// Set once the loss of the daemon has been reported (until it is back).
-    lost: bool,
-}
-
-/// What the daemon grants a tenant that registers.
-struct Grant {
-    tenant: u64,
-    quota_bytes: u64,
-    tier_dir: String,
-    tier_bytes: u64,
-    tier_capacity_bytes: u64,
-    encrypt_tier: bool,
-    /// The daemon lets go of a tenant that sends no report for this long (0: not said).
-    silence_seconds: f64,
-}
-
-/// Connects to the daemon at `socket` and registers `registration`.
-fn register_at(socket: &Path, registration: &Registration) -> Result<(Client, Grant)> {
-    let mut client = Client::connect(socket)?;
-    match client.call(&Request::Register(registration.clone()))? {
-        Response::Registered {
-            tenant,
-            quota_bytes,
-            tier_dir,
-            tier_bytes,
-            tier_capacity_bytes,
-            encrypt_tier,
-            silence_seconds,
-        } => Ok((
-            client,
-            Grant {
-                tenant,
-                quota_bytes,
-                tier_dir,
-                tier_bytes,
-                tier_capacity_bytes,
-                encrypt_tier,
-                silence_seconds,
-            },
-        )),
-        other => bail!("the host daemon answered {other:?} to a registration"),
-    }
-}
-
-impl HostLink {
-    fn register(socket: &Path, registration: Registration) -> Result<(HostLink, Grant)> {
-        let (client, grant) = register_at(socket, &registration)?;
-        Ok((
-            HostLink {
-                socket: socket.to_path_buf(),
-                registration,
-                client: Some(client),
-                quota: grant.quota_bytes,
-                tier: grant.tier_bytes,
-                tenant: grant.tenant,
-                lost: false,
-            },
-            grant,
-        ))
-    }
-
-    /// Sends `report`; returns the quota and tier share in force (the last ones known if the
-    /// daemon is away).
-    fn report(&mut self, report: &TenantReport) -> (u64, u64) {
-        if self.client.is_none() {
-            if let Ok((c, grant)) = register_at(&self.socket, &self.registration) {
-                eprintln!(
-                    "memtide: the host daemon is back; registered again as tenant {} (quota {})",
-                    grant.tenant,
-                    bytes(grant.quota_bytes)
-                );
-                self.client = Some(c);
-                self.tenant = grant.tenant;
-                self.quota = grant.quota_bytes;
-                self.tier = grant.tier_bytes;
-                self.lost = false;
-            }
-        }
-        if let Some(c) = &mut self.client {
-            match c.call(&Request::Report(report.clone())) {
-                Ok(Response::Quota {
-                    quota_bytes,
-                    tier_bytes,
-                }) => {
-                    self.quota = quota_bytes;
-                    if let Some(t) = tier_bytes {
-                        self.tier = t;
-                    }
-                }
-                Ok(_) | Err(_) => {
-                    self.client = None;
-                    if !self.lost {
-                        self.lost = true;
-                        eprintln!(
-                            "memtide: lost the host daemon at {}; keeping the quota of {} until it is back",
-                            self.socket.display(),
-                            bytes(self.quota)
-                        );
-                    }
-                }
-            }
-        }
-        (self.quota, self.tier)
-    }
-}
-
-/// The pinned program's figures: it runs without memtide, so its resident memory is all DRAM.
-fn pinned_report(pid: u32) -> TenantReport {
-    let rss = std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        })
-        .unwrap_or(0)
-        * 1024;
-    TenantReport {
-        dram_bytes: rss,
-        managed_bytes: rss,
-        ..TenantReport::default()
-    }
-}
-
 /// A note of memtide's before the program starts: to the log if there is one (memtide's
 /// stderr goes there once the program runs), else to stderr.
 fn note(log: Option<&std::fs::File>, line: &str) {
@@ -343,7 +208,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         None => (None, None),
     };
     let dram = match (&link, a.dram) {
-        (Some(l), _) => l.quota,
+        (Some(l), _) => l.quota(),
         (None, Some(d)) => d,
         (None, None) => bail!("give --dram (or --host)"),
     };
@@ -397,7 +262,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     }
     let view = Arc::new(Mutex::new(View {
         quota: dram,
-        tenant: link.as_ref().map_or(0, |l| l.tenant),
+        tenant: link.as_ref().map_or(0, |l| l.tenant()),
         ..View::default()
     }));
     if let Some(addr) = a.metrics {
@@ -501,7 +366,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
                 v.report = report;
                 v.quota = quota;
                 if let Some(l) = &link {
-                    v.tenant = l.tenant;
+                    v.tenant = l.tenant();
                 }
             }
             c
@@ -526,7 +391,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         let (events, dropped) = write_trace(&stats_dir.0, p)
             .with_context(|| format!("cannot write the recording to {}", p.display()))?;
         eprintln!(
-            "memtide: recorded {events} pages brought into DRAM to {}{}; replay: memtide sim --trace {} --dram SIZES --policy memtide-v1",
+            "memtide: recorded {events} pages brought into DRAM to {}{}; replay: memtide sim --trace {} --dram SIZES --policy sweep",
             p.display(),
             if dropped > 0 {
                 format!(" ({dropped} more lost: the recording fell behind)")

@@ -32,7 +32,7 @@ pub struct SimArgs {
     /// on the built-in corpus: zipf at four skews, three hot/cold splits, two active-memory
     /// profiles, a moving hot set, a hot set with a scan, uniform; each at every --dram
     /// (default here 10%,25%,50%,75%), after a warm-up. Prints memtide's misses against the
-    /// best online policy's on every row, at the same DRAM (memtide-exact), and as the engine
+    /// best online policy's on every row, at the same DRAM (placement-exact), and as the engine
     /// runs it, with its headroom below the quota (memtide).
     #[arg(long, conflicts_with = "trace")]
     pub corpus: bool,
@@ -66,13 +66,14 @@ pub struct SimArgs {
     /// DRAM sizes to try: percentages of the footprint or sizes, comma-separated (25%,50%,4GiB).
     #[arg(long, value_delimiter = ',')]
     pub dram: Vec<String>,
-    /// Policies, comma-separated, or `all`: memtide (the engine's policy, seeing only the faults
-    /// the engine sees), lru, clock, arc, 2q, s3fifo, sieve (each sees every access), lfu
-    /// (exact), gclock (LFU with aging), opt (Belady, offline); not in `all`: memory-mode (a
-    /// direct-mapped DRAM cache in front of the slow tier), memtide-exact (memtide's placement
-    /// with exactly --dram pages in use, as the others have; memtide keeps the engine's 1-2 MiB
-    /// of headroom below the quota) and memtide-v1 (the first policy). memtide and memtide-v1
-    /// model the engine, so they run from 64 KiB of DRAM up, as the engine does.
+    /// Policies, comma-separated, or `all`: placement (memtide's placement queues, seeing only
+    /// the faults the engine sees), lru, clock, arc, 2q, s3fifo, sieve (each sees every access),
+    /// lfu (exact), gclock (LFU with aging), opt (Belady, offline); not in `all`: memory-mode (a
+    /// direct-mapped DRAM cache in front of the slow tier), placement-exact (placement with
+    /// exactly --dram pages in use, as the others have; placement keeps the engine's 1-2 MiB of
+    /// headroom below the quota) and sweep (the engine's default, its CLOCK sweep over page
+    /// histories). placement and sweep model the engine, so they run from 64 KiB of DRAM up, as
+    /// the engine does. Older names: memtide (placement), memtide-exact, memtide-v1 (sweep).
     #[arg(long, value_delimiter = ',', default_value = "all")]
     pub policy: Vec<String>,
     /// Cost of an access from DRAM, including the program's own work per access.
@@ -242,6 +243,7 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
         .collect::<Result<_>>()?;
     let mut policies: Vec<String> = Vec::new();
     for p in &a.policy {
+        let p = &memtide_sim::policy_name(p).to_string();
         if p == "all" {
             policies.extend(ALL_POLICIES.iter().map(|s| s.to_string()));
         } else if KNOWN_POLICIES.contains(&p.as_str()) {
@@ -255,12 +257,12 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
     }
     policies.dedup();
     let lat = latency(&a)?;
-    // `memtide` and `memtide-v1` model the engine, which takes no quota under 64 KiB.
-    let engine_modelled = |p: &str| p == "memtide" || p == "memtide-v1";
+    // `placement` and `sweep` model the engine, which takes no quota under 64 KiB.
+    let engine_modelled = |p: &str| p == "placement" || p == "sweep";
     for &d in &sizes {
         if d < ENGINE_MIN_PAGES && policies.iter().any(|p| engine_modelled(p)) {
             eprintln!(
-                "memtide sim: memtide and memtide-v1 are not simulated at {}: the engine's DRAM quota is at least 64 KiB ({ENGINE_MIN_PAGES} pages); memtide-exact is",
+                "memtide sim: placement and sweep are not simulated at {}: the engine's DRAM quota is at least 64 KiB ({ENGINE_MIN_PAGES} pages); placement-exact is",
                 size::format(d * 4096)
             );
         }
@@ -278,7 +280,7 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
         })
         .collect();
     if jobs.is_empty() {
-        bail!("nothing to simulate: give --dram 64KiB or more for memtide and memtide-v1");
+        bail!("nothing to simulate: give --dram 64KiB or more for placement and sweep");
     }
     eprintln!("memtide sim: {label}");
     let tty = std::io::stderr().is_terminal();
@@ -307,7 +309,7 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
         let rate = full_rate / o.slowdown(&lat);
         events as f64 / o.accesses.max(1) as f64 * rate * 4096.0 / 1e6
     };
-    // The policy column fits the longest name (memtide-exact).
+    // The policy column fits the longest name (placement-exact).
     let pw = out
         .iter()
         .map(|o| o.policy.len())
@@ -578,7 +580,7 @@ fn corpus(a: &SimArgs) -> Result<ExitCode> {
     println!(
         "memtide sees what the engine sees (first touches, misses, hint faults on pages it \
          staged: soft/acc); the others see every access; memtide % and ratio are at the same \
-         DRAM as the others (memtide-exact)"
+         DRAM as the others (placement-exact)"
     );
     if let Some(p) = &a.json {
         let peers: Vec<_> = corpus::ONLINE

@@ -335,7 +335,7 @@ fn short_vm_density_run_reports_every_guest() {
             "--reps",
             "1",
             "--policy",
-            "clock,placement",
+            "sweep,placement",
             "--faults",
             "threads,signal",
         ],

@@ -1,18 +1,18 @@
 //! `memtide run --record`: the trace holds every page the engine brought into DRAM, and
-//! replayed in the simulator at the same DRAM under the engine's policy (memtide-v1) it misses
+//! replayed in the simulator at the same DRAM under the engine's policy (sweep) it misses
 //! within 10% of the tier faults the engine counted.
 
 mod common;
 
 use common::{main_stats, memtide, Scratch};
 
-/// Replays `trace` at `dram` under the engine's policy (memtide-v1); returns the outcome.
+/// Replays `trace` at `dram` under the engine's policy (sweep); returns the outcome.
 fn replay(dir: &Scratch, trace: &std::path::Path, dram: &str) -> serde_json::Value {
     let json = dir.path().join("sim.json");
     let o = memtide()
         .args(["sim", "--trace"])
         .arg(trace)
-        .args(["--dram", dram, "--policy", "memtide-v1", "--json"])
+        .args(["--dram", dram, "--policy", "sweep", "--json"])
         .arg(&json)
         .output()
         .unwrap();

@@ -165,7 +165,7 @@ fn csv_and_oracle_general_traces_replay_alike() {
     );
 }
 
-/// `memtide` and `memtide-v1` model the engine, whose quota is at least 64 KiB: below that
+/// `placement` and `sweep` model the engine, whose quota is at least 64 KiB: below that
 /// they are left out, with a note (they once ran at 64 KiB under a smaller label and could
 /// beat OPT), and alone they are an error.
 #[test]
@@ -180,11 +180,11 @@ fn engine_modelled_policies_are_not_simulated_below_the_engines_smallest_quota()
             "--dram",
             "4KiB,64KiB",
             "--policy",
-            "memtide,memtide-exact,opt",
+            "placement,placement-exact,opt",
         ],
     );
     assert!(
-        stderr(&o).contains("memtide and memtide-v1 are not simulated at 4.00 KiB"),
+        stderr(&o).contains("placement and sweep are not simulated at 4.00 KiB"),
         "{}",
         stderr(&o)
     );
@@ -202,15 +202,15 @@ fn engine_modelled_policies_are_not_simulated_below_the_engines_smallest_quota()
         })
         .collect();
     let at = |p: &str, d: u64| rows.iter().find(|r| r.0 == p && r.1 == d).map(|r| r.2);
-    assert_eq!(at("memtide", 1), None, "{rows:?}");
+    assert_eq!(at("placement", 1), None, "{rows:?}");
     for d in [1, 16] {
         assert!(
-            at("memtide-exact", d).unwrap() >= at("opt", d).unwrap(),
+            at("placement-exact", d).unwrap() >= at("opt", d).unwrap(),
             "{rows:?}"
         );
     }
     assert!(
-        at("memtide", 16).unwrap() >= at("opt", 16).unwrap(),
+        at("placement", 16).unwrap() >= at("opt", 16).unwrap(),
         "{rows:?}"
     );
     fails_with(
@@ -221,7 +221,7 @@ fn engine_modelled_policies_are_not_simulated_below_the_engines_smallest_quota()
             "--dram",
             "4KiB",
             "--policy",
-            "memtide-v1",
+            "sweep",
         ],
         "give --dram 64KiB or more",
     );
@@ -258,7 +258,15 @@ fn replay_writes_json_with_opt_lowest() {
                 .unwrap()
         };
         for p in [
-            "memtide", "lru", "clock", "arc", "2q", "s3fifo", "sieve", "lfu", "gclock",
+            "placement",
+            "lru",
+            "clock",
+            "arc",
+            "2q",
+            "s3fifo",
+            "sieve",
+            "lfu",
+            "gclock",
         ] {
             assert!(misses("opt") <= misses(p), "{p} at {frac}");
             assert!(misses(p) > 0, "{p} at {frac} should miss");
@@ -349,7 +357,7 @@ fn corpus_over_several_seeds_sums_misses_and_marks_losses_beyond_the_noise() {
         let best = r["best_online"].as_str().unwrap();
         // The outcomes are the sums over the seeds: the excesses add up to their difference.
         assert!(
-            (d.iter().sum::<f64>() - (misses("memtide-exact") - misses(best))).abs() < 1e-6,
+            (d.iter().sum::<f64>() - (misses("placement-exact") - misses(best))).abs() < 1e-6,
             "{r}"
         );
         let mean = d.iter().sum::<f64>() / 3.0;
@@ -395,7 +403,7 @@ fn corpus_compares_memtide_with_the_best_online_policy_on_every_row() {
                 .unwrap()
         };
         // The best online policy is the one with the fewest misses; the ratio is memtide's
-        // misses at the same DRAM (memtide-exact) over its misses, and the engine's ratio
+        // misses at the same DRAM (placement-exact) over its misses, and the engine's ratio
         // memtide's with the engine's headroom below the quota.
         let best = r["best_online"].as_str().unwrap();
         for p in ["lru", "clock", "arc", "2q", "s3fifo", "sieve"] {
@@ -403,8 +411,8 @@ fn corpus_compares_memtide_with_the_best_online_policy_on_every_row() {
         }
         if misses(best) > 0.0 {
             for (policy, key) in [
-                ("memtide-exact", "memtide_vs_best"),
-                ("memtide", "engine_vs_best"),
+                ("placement-exact", "memtide_vs_best"),
+                ("placement", "engine_vs_best"),
             ] {
                 let want = misses(policy) / misses(best);
                 let got = r[key].as_f64().unwrap();

@@ -180,7 +180,7 @@ impl Settings {
             None => EvictionPolicy::default(),
             Some(name) => EvictionPolicy::from_name(&name).unwrap_or_else(|| {
                 say(format!(
-                    "memtide: {POLICY}={name}: expected clock or placement; using clock"
+                    "memtide: {POLICY}={name}: expected sweep or placement; using sweep"
                 ));
                 EvictionPolicy::default()
             }),

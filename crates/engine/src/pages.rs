@@ -54,12 +54,12 @@ const PIN_MASK: u32 = 0xFF << PIN_SHIFT;
 const HIST_SHIFT: u32 = 16;
 const HIST_MASK: u32 = 0xFF << HIST_SHIFT;
 /// How many times in a row the page was touched while inactive, unmapped by the CLOCK sweep
-/// or by the active-memory sample ([`memtide_policy::clock::MAX_PROVEN`]); cleared when the
+/// or by the active-memory sample ([`memtide_policy::sweep::MAX_PROVEN`]); cleared when the
 /// page leaves DRAM or is put back untouched.
 const PROVEN_SHIFT: u32 = 24;
 const PROVEN_MASK: u32 = 0x3 << PROVEN_SHIFT;
 const _: () = assert!(
-    memtide_policy::clock::MAX_PROVEN <= 3,
+    memtide_policy::sweep::MAX_PROVEN <= 3,
     "two bits hold the count"
 );
 
@@ -288,13 +288,13 @@ impl PageTable {
     }
 
     /// Counts one more time in a row that page `i`, ours (`Busy`), was found in use while
-    /// inactive, up to [`memtide_policy::clock::MAX_PROVEN`].
+    /// inactive, up to [`memtide_policy::sweep::MAX_PROVEN`].
     pub fn prove(&self, i: usize) {
         let word = self.word(i);
         let mut cur = word.load(Ordering::Acquire);
         loop {
             let w = Word(cur);
-            let k = (w.proven() + 1).min(memtide_policy::clock::MAX_PROVEN) as u32;
+            let k = (w.proven() + 1).min(memtide_policy::sweep::MAX_PROVEN) as u32;
             let next = (cur & !PROVEN_MASK) | (k << PROVEN_SHIFT);
             match word.compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Acquire) {
                 Ok(_) => return,
@@ -357,7 +357,7 @@ mod tests {
         t.allocate(0);
         t.claim(0, State::Unpopulated, false).unwrap();
         t.publish(0, State::Mapped, Some(Activeness::TOUCHED));
-        let max = memtide_policy::clock::MAX_PROVEN;
+        let max = memtide_policy::sweep::MAX_PROVEN;
         for k in 1..=max as u32 + 2 {
             t.claim(0, State::Mapped, false).unwrap();
             t.publish(0, State::Staged, None);

@@ -41,7 +41,7 @@ fn free_across_the_wrap() {
     // names the pages it evicts, and has no wrap).
     let dir = common::scratch("wrap");
     let mut cfg = common::config(&dir, 4 << 20);
-    cfg.policy = memtide_engine::EvictionPolicy::Clock;
+    cfg.policy = memtide_engine::EvictionPolicy::Sweep;
     let e = common::start(&cfg);
     let base = e.alloc(PAGES * PAGE, PAGE).unwrap();
     for i in 0..PAGES {

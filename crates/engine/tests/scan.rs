@@ -3,7 +3,7 @@
 //! DRAM; a worker makes 90% of its accesses to a scattered 20% hot set (2,048 pages, which
 //! fit) and 10% anywhere; another thread reads every page once, in order, while it runs. The
 //! hot set's miss rate after the scan must be within 10% of before it, and 80% of the hot
-//! pages in DRAM before it must still be there after it. (The CLOCK sweep, `--policy clock`,
+//! pages in DRAM before it must still be there after it. (The CLOCK sweep, `--policy sweep`,
 //! does not pass this: it takes pages in address order once every page looks recently used,
 //! and misses the hot set about 6x as often.)
 

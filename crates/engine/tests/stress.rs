@@ -312,13 +312,13 @@ fn duration() -> Duration {
     Duration::from_secs_f64(secs)
 }
 
-/// The eviction policy to stress: `--policy clock|placement`; without it, both: the CLOCK
+/// The eviction policy to stress: `--policy sweep|placement`; without it, both: the CLOCK
 /// sweep here, then placement in a child process (an engine lives as long as its process).
 fn policy() -> Option<EvictionPolicy> {
     let args: Vec<String> = std::env::args().collect();
     let i = args.iter().position(|a| a == "--policy")?;
     let name = args.get(i + 1).expect("--policy needs a name");
-    Some(EvictionPolicy::from_name(name).expect("--policy clock or placement"))
+    Some(EvictionPolicy::from_name(name).expect("--policy sweep or placement"))
 }
 
 fn main() {
@@ -330,7 +330,7 @@ fn main() {
     match policy() {
         Some(p) => stress_eviction_racing_with_access(run_for, p),
         None => {
-            stress_eviction_racing_with_access(run_for, EvictionPolicy::Clock);
+            stress_eviction_racing_with_access(run_for, EvictionPolicy::Sweep);
             let status = std::process::Command::new(std::env::current_exe().unwrap())
                 .args(["--policy", "placement", "--seconds"])
                 .arg(run_for.as_secs_f64().to_string())

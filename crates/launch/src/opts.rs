@@ -112,7 +112,7 @@ pub fn delivery(s: &str) -> Result<memtide_engine::Delivery, String> {
 
 pub fn eviction_policy(s: &str) -> Result<memtide_engine::EvictionPolicy, String> {
     memtide_engine::EvictionPolicy::from_name(s)
-        .ok_or_else(|| format!("`{s}` is not an eviction policy: write clock or placement"))
+        .ok_or_else(|| format!("`{s}` is not an eviction policy: write sweep or placement"))
 }
 
 #[cfg(test)]

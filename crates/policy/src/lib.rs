@@ -3,13 +3,13 @@
 //! This crate is pure: no system calls, no clock reads, no allocation on the hot paths. Time is
 //! passed in as nanoseconds by the caller, so the engine and the simulator drive the same code
 //! and tests drive it deterministically. Entry points: [`Activeness`] (per-page history),
-//! [`Clock`] (which resident pages to deactivate, through [`SweepPages`]), [`Watermarks`] (how
+//! [`Sweep`] (which resident pages to deactivate, through [`SweepPages`]), [`Watermarks`] (how
 //! far below the quota DRAM is kept, and [`Watermarks::relieve`], the pressure-relief loop,
 //! through [`Relieve`]), [`ahead`] (how much a fault brings in), [`EpochClock`] and
-//! [`health`]. The engine and the simulator (as `memtide-v1`) each implement the two traits
-//! over their own page state, so both run exactly this code. [`Placement`] (S3-FIFO's small
-//! queue before a SIEVE main queue, through [`Pages`]) is its successor; the simulator runs it
-//! as `memtide`, the engine with `--policy placement`.
+//! [`health`]. The engine and the simulator each implement the two traits over their own page
+//! state, so both run exactly this code (the policy `sweep`). [`Placement`] (S3-FIFO's small
+//! queue before a SIEVE main queue, through [`Pages`]) is the other policy, `placement`; both
+//! go by these names in the engine (`--policy`), the simulator and the docs.
 //!
 //! # The model
 //!
@@ -22,14 +22,14 @@
 #![forbid(unsafe_code)]
 
 pub mod ahead;
-pub mod clock;
 pub mod health;
 pub mod placement;
 pub mod share;
+pub mod sweep;
 
-pub use clock::{Clock, Relief, Relieve, Sweep, SweepPages};
 pub use health::{Health, HealthThresholds};
 pub use placement::{Evicted, Pages, Placement, Queue, Residence};
+pub use sweep::{IdleBar, Relief, Relieve, Sweep, SweepPages};
 
 /// Size of a page, the unit of placement.
 pub const PAGE_SIZE: usize = 4096;

@@ -49,8 +49,8 @@
 //! Ghosts are stamps in a byte per page (the generation of the queue's evictions, modulo 256),
 //! recent for about as many evictions as 90% of the quota (S3-FIFO's ghost queue size); no
 //! allocation per page. The simulator drives this structure through [`Pages`] (policies
-//! `memtide` and `memtide-exact`); the engine runs it with `--policy placement` (its default
-//! is still the CLOCK sweep, [`crate::Clock`]).
+//! `placement` and `placement-exact`); the engine runs it with `--policy placement` (its default
+//! is the CLOCK sweep, [`crate::Sweep`], `--policy sweep`).
 
 use std::collections::VecDeque;
 

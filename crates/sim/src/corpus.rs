@@ -1,6 +1,6 @@
 //! The corpus: memtide's policy against the published online policies on a fixed set of
 //! workload families, each at several DRAM sizes and over several seeds. Each row compares
-//! memtide's misses at the same DRAM (`memtide-exact`) and as the engine runs it (`memtide`,
+//! memtide's misses at the same DRAM (`placement-exact`) and as the engine runs it (`placement`,
 //! with its headroom below the quota) with the best online policy's, says whether a loss is
 //! beyond the noise across seeds, and estimates the time; every online policy is also held
 //! against the best of the other five. `memtide sim --corpus` prints it. Entry point: [`run`].
@@ -46,7 +46,7 @@ pub struct Row {
     pub outcomes: Vec<Outcome>,
     /// The online policy that missed least.
     pub best: Outcome,
-    /// memtide's own outcome at the same DRAM (`memtide-exact`).
+    /// memtide's own outcome at the same DRAM (`placement-exact`).
     pub memtide: Outcome,
     /// memtide's misses against the best's, at the same DRAM and as the engine runs it.
     pub memtide_vs_best: f64,
@@ -155,7 +155,7 @@ pub fn run(
         let jobs: Vec<Job> = drams
             .iter()
             .flat_map(|&d| {
-                ["memtide-exact", "memtide"]
+                ["placement-exact", "placement"]
                     .into_iter()
                     .chain(ONLINE)
                     .map(move |p| Job {
@@ -207,10 +207,10 @@ fn row(
         }
     }
     let find = |name: &str| at.iter().find(|o| o.policy == name).expect("memtide ran");
-    let (mt, engine) = (find("memtide-exact"), find("memtide"));
+    let (mt, engine) = (find("placement-exact"), find("placement"));
     let best = at
         .iter()
-        .filter(|o| !o.policy.starts_with("memtide"))
+        .filter(|o| !o.policy.starts_with("placement"))
         .min_by_key(|o| o.misses)
         .expect("online policies ran");
     // With several seeds: memtide's misses less the best policy's, seed by seed, and whether
@@ -223,7 +223,7 @@ fn row(
                     .find(|o| o.policy == name)
                     .map_or(0, |o| o.misses) as f64
             };
-            m("memtide-exact") - m(&best.policy)
+            m("placement-exact") - m(&best.policy)
         })
         .collect();
     let (mean, se) = mean_and_standard_error(&diffs);
@@ -236,7 +236,7 @@ fn row(
     for (tally, name) in sum.peers.iter_mut().zip(ONLINE) {
         let others = at
             .iter()
-            .filter(|o| !o.policy.starts_with("memtide") && o.policy != name)
+            .filter(|o| !o.policy.starts_with("placement") && o.policy != name)
             .map(|o| o.misses)
             .min()
             .expect("other online policies ran");

@@ -88,15 +88,24 @@ impl Source {
 
 /// The policies `--policy all` means.
 pub const ALL_POLICIES: [&str; 10] = [
-    "memtide", "lru", "clock", "arc", "2q", "s3fifo", "sieve", "lfu", "gclock", "opt",
+    "placement",
+    "lru",
+    "clock",
+    "arc",
+    "2q",
+    "s3fifo",
+    "sieve",
+    "lfu",
+    "gclock",
+    "opt",
 ];
 
 /// Every policy the simulator knows (`memory-mode` is the direct-mapped DRAM cache model,
-/// `memtide-exact` memtide's placement with no headroom below the quota, `memtide-v1` the
-/// engine's first policy).
+/// `placement-exact` memtide's placement with no headroom below the quota, `sweep` the CLOCK
+/// sweep the engine runs by default). `placement` and `sweep` are the engine's names too.
 pub const KNOWN_POLICIES: [&str; 13] = [
-    "memtide",
-    "memtide-exact",
+    "placement",
+    "placement-exact",
     "lru",
     "clock",
     "arc",
@@ -107,8 +116,19 @@ pub const KNOWN_POLICIES: [&str; 13] = [
     "gclock",
     "opt",
     "memory-mode",
-    "memtide-v1",
+    "sweep",
 ];
+
+/// The policy a name stands for: the name itself, or the policy an older name meant
+/// (`memtide` for `placement`, `memtide-exact`, `memtide-v1` for `sweep`).
+pub fn policy_name(name: &str) -> &str {
+    match name {
+        "memtide" => "placement",
+        "memtide-exact" => "placement-exact",
+        "memtide-v1" => "sweep",
+        other => other,
+    }
+}
 
 /// Why a simulation could not run.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

@@ -59,7 +59,7 @@ fn aliasing_pair_runs_at_about_half_speed_others_do_not() {
         assert!(slow_b < 1.05, "non-aliasing tenant {t}: {slow_b}");
     }
     // Fully associative placement does not care where tenants live.
-    let m = run(&aliasing, "memtide", CACHE);
+    let m = run(&aliasing, "placement", CACHE);
     for t in 0..2 {
         assert!(
             m.tenant_slowdown(t, &LAT) < 1.2,

@@ -7,14 +7,14 @@
 use std::sync::atomic::Ordering;
 
 use memtide_policy::{
-    Activeness, Clock, EpochClock, Relief, Relieve, SweepPages, Watermarks, PAGE_SIZE,
+    Activeness, EpochClock, Relief, Relieve, Sweep, SweepPages, Watermarks, PAGE_SIZE,
 };
 
 use super::active::{self, ActiveSampler};
 use super::fatal::fatal;
-use super::place::Placer;
+use super::policy::Evictor;
 use super::ring::{RING_DEAD, RING_EMPTY};
-use super::{Engine, EvictionPolicy};
+use super::Engine;
 use crate::pages::{State, NONE};
 use crate::stats::Counters;
 use crate::sys;
@@ -23,16 +23,13 @@ impl Engine {
     pub(super) fn evictor_main(&self) {
         self.evictor_tid
             .store(crate::threads::gettid(), Ordering::Relaxed);
-        let mut sweep = Clock::default();
+        let mut evictor = self.policy.evictor(self);
         let mut clock = EpochClock::new(self.epoch_ns);
-        let mut victims: Vec<usize> =
-            Vec::with_capacity((Watermarks::MAX_BATCH * 4).max(active::SAMPLE) as usize);
+        let mut sampled: Vec<usize> = Vec::with_capacity(active::SAMPLE as usize);
         let mut sampler = ActiveSampler::new(active::seed());
         let mut populated = 0u64;
         let mut writing: Vec<(usize, u32)> = Vec::with_capacity(Watermarks::MAX_BATCH as usize);
         let mut warned_underreport = false;
-        let mut placer = (self.policy == EvictionPolicy::Placement)
-            .then(|| Placer::new(self.pt.pages(), self.quota.wm().quota));
         loop {
             if self.pause.load(Ordering::Acquire) {
                 self.parked.store(true, Ordering::Release);
@@ -52,7 +49,7 @@ impl Engine {
                     .active_pages
                     .store(estimate.unwrap_or(seen_active), Ordering::Relaxed);
                 if !self.detached.load(Ordering::Acquire) {
-                    self.sample_active(&mut sampler, &mut victims);
+                    self.sample_active(&mut sampler, &mut sampled);
                 }
                 Counters::bump(&self.counters.epochs);
             }
@@ -67,16 +64,7 @@ impl Engine {
                 self.tier_full.store(false, Ordering::Release);
             }
             if !self.detached.load(Ordering::Acquire) && self.tier_usable() {
-                let relieved = match placer.as_mut() {
-                    Some(pl) => self.place_relieve(pl, &mut writing, new_epoch),
-                    None => self.quota.wm().relieve(&mut Pressure {
-                        engine: self,
-                        sweep: &mut sweep,
-                        victims: &mut victims,
-                        writing: &mut writing,
-                    }),
-                };
-                match relieved {
+                match evictor.relieve(self, &mut writing, new_epoch) {
                     Relief::Calm => self.quota.set_overcommit(false),
                     Relief::Stuck => {
                         // Nothing evictable right now (everything pinned, in flight, or tiny):
@@ -280,7 +268,7 @@ impl Engine {
 
     /// Moves up to `want` of the coldest mapped pages, as the policy's CLOCK sweep picks them,
     /// into the inactive list (staging). Returns how many it moved.
-    fn deactivate(&self, want: u64, sweep: &mut Clock, victims: &mut Vec<usize>) -> u64 {
+    fn deactivate(&self, want: u64, sweep: &mut Sweep, victims: &mut Vec<usize>) -> u64 {
         let want = want.min(self.ring.room()).min(victims.capacity() as u64) as usize;
         victims.clear();
         let mut candidates = Candidates {
@@ -684,10 +672,43 @@ impl SweepPages for Candidates<'_> {
     }
 }
 
+/// The CLOCK sweep's state in the evictor: the hand, and the pages it picks.
+pub(super) struct Sweeping {
+    sweep: Sweep,
+    victims: Vec<usize>,
+}
+
+impl Sweeping {
+    pub(super) fn new() -> Sweeping {
+        Sweeping {
+            sweep: Sweep::default(),
+            victims: Vec::with_capacity((Watermarks::MAX_BATCH * 4).max(active::SAMPLE) as usize),
+        }
+    }
+}
+
+impl Evictor for Sweeping {
+    /// The policy crate's pressure relief ([`Watermarks::relieve`]) over the page table: the
+    /// sweep fills the inactive list, the list's oldest pages are written back.
+    fn relieve(
+        &mut self,
+        engine: &Engine,
+        writing: &mut Vec<(usize, u32)>,
+        _new_epoch: bool,
+    ) -> Relief {
+        engine.quota.wm().relieve(&mut Pressure {
+            engine,
+            sweep: &mut self.sweep,
+            victims: &mut self.victims,
+            writing,
+        })
+    }
+}
+
 /// The engine as the policy's pressure relief drives it.
 struct Pressure<'a> {
     engine: &'a Engine,
-    sweep: &'a mut Clock,
+    sweep: &'a mut Sweep,
     victims: &'a mut Vec<usize>,
     writing: &'a mut Vec<(usize, u32)>,
 }

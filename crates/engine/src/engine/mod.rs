@@ -1,8 +1,8 @@
 //! The engine: one arena of managed memory registered with userfaultfd, its page table, and
 //! the stages of a page's life, a file each: the fault path (`fault.rs`, run by a handler
 //! thread per CPU (`handlers.rs`), or in the faulting thread from SIGBUS), eviction and
-//! write-back (`evict.rs`, the evictor thread; under `--policy placement` its choices come
-//! from `place.rs`), and the program's own memory calls
+//! write-back (`evict.rs`, the evictor thread; its choices come from the policy, through the
+//! interface in `policy.rs`: the CLOCK sweep in `evict.rs`, placement in `place.rs`), and the program's own memory calls
 //! (`region.rs`: free, discard, mremap, mprotect, pins, fork), and the sampled estimate of
 //! active memory (`active.rs`, run by the evictor). Small shared pieces have files of their
 //! own: the staging ring (`ring.rs`), the DRAM quota (`quota.rs`, changeable at run time) and
@@ -39,6 +39,7 @@ mod fatal;
 mod fault;
 mod handlers;
 mod place;
+mod policy;
 mod quota;
 mod record;
 mod region;
@@ -62,6 +63,7 @@ use crate::sys::{self, Mapping};
 use crate::threads::SchedStat;
 use crate::tier::{self, Backend, Encrypted, Faulty, FileTier, SlotMap, TierFaults, TierOpenError};
 use crate::uffd::{Delivery, MoveReport, OpenError, Uffd};
+pub use policy::EvictionPolicy;
 
 use fault::{BouncePool, SequentialRun};
 use place::Arrivals;
@@ -115,41 +117,9 @@ impl Config {
             epoch_ms: 200,
             faults: Delivery::Threads,
             encrypt_tier: false,
-            policy: EvictionPolicy::Clock,
+            policy: EvictionPolicy::Sweep,
             record: None,
             tier_faults: None,
-        }
-    }
-}
-
-/// Which pages the evictor takes out of DRAM.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum EvictionPolicy {
-    /// The CLOCK sweep over the page table ([`memtide_policy::Clock`]): pages idle for the
-    /// most epochs go to the inactive list (the staging ring) in address order, its oldest
-    /// pages to tier 1.
-    #[default]
-    Clock,
-    /// The placement queues ([`memtide_policy::Placement`], the simulator's `memtide`): new
-    /// pages on probation in a small FIFO queue, pages used again in a SIEVE queue, a staged
-    /// page's hint fault as its reference bit (`place.rs`).
-    Placement,
-}
-
-impl EvictionPolicy {
-    /// The name `--policy` and `MEMTIDE_POLICY` use.
-    pub fn name(self) -> &'static str {
-        match self {
-            EvictionPolicy::Clock => "clock",
-            EvictionPolicy::Placement => "placement",
-        }
-    }
-
-    pub fn from_name(name: &str) -> Option<EvictionPolicy> {
-        match name {
-            "clock" => Some(EvictionPolicy::Clock),
-            "placement" => Some(EvictionPolicy::Placement),
-            _ => None,
         }
     }
 }
@@ -243,7 +213,9 @@ pub struct Engine {
     recorder: Option<Recorder>,
     /// Which pages leave DRAM.
     policy: EvictionPolicy,
-    /// Under placement: the pages brought into DRAM, for the evictor to place.
+    /// Whether the policy takes staged pages out of the ring out of its order.
+    staged_out_of_order: bool,
+    /// When the policy asks for them: the pages brought into DRAM, for the evictor to place.
     arrivals: Option<Arrivals>,
     warnings: Mutex<Vec<String>>,
     /// Faults at addresses that hold no memory, per thread (handler threads only).
@@ -284,18 +256,13 @@ impl Engine {
         // space only, so size it for a quota of up to 4x the first one, at least 16 GiB, plus
         // room for the active-memory sample. A larger quota works with a smaller inactive list.
         let wm_max = Watermarks::for_quota(quota_pages.saturating_mul(4).max(16 << 18));
-        // Placement keeps pages staged for a whole pass of its hand, most of DRAM at times:
-        // room for four times the first quota. (Every slot the head passes keeps its page
-        // tables, which whoever walks them — an audit, clear_refs — pays for; a quota grown
-        // beyond that is served with pages put back from the ring's tail early.)
-        let placed = match cfg.policy {
-            EvictionPolicy::Clock => 0,
-            EvictionPolicy::Placement => quota_pages.saturating_mul(4),
-        };
-        let ring =
-            StagingRing::new(placed + wm_max.inactive_target + 4 * wm_max.batch + active::SAMPLE)
-                .map_err(io_err("reserve the staging area"))?;
-        let arrivals = (cfg.policy == EvictionPolicy::Placement)
+        let needs = cfg.policy.needs(quota_pages);
+        let ring = StagingRing::new(
+            needs.extra_staging + wm_max.inactive_target + 4 * wm_max.batch + active::SAMPLE,
+        )
+        .map_err(io_err("reserve the staging area"))?;
+        let arrivals = needs
+            .arrivals
             .then(Arrivals::new)
             .transpose()
             .map_err(io_err("map the arrivals queue"))?;
@@ -343,6 +310,7 @@ impl Engine {
             inject: Inject::default(),
             recorder,
             policy: cfg.policy,
+            staged_out_of_order: needs.staged_out_of_order,
             arrivals,
             warnings: Mutex::new(Vec::new()),
             strays: handlers::Strays::new(),

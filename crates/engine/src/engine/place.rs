@@ -1,5 +1,5 @@
 //! The placement queues in the engine (`--policy placement`): the evictor runs
-//! [`memtide_policy::Placement`], the code the simulator replays as `memtide`, over the page
+//! [`memtide_policy::Placement`], the code the simulator replays as `placement`, over the page
 //! table. New pages join a small FIFO queue on probation and are staged soon after they come
 //! in; a page the program uses again shows itself by a hint fault and moves to the SIEVE main
 //! queue; pressure takes pages out of DRAM from the small queue while it is over its share,
@@ -28,6 +28,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 use memtide_policy::{Pages, Placement, Relief, Residence, Watermarks, PAGE_SIZE};
 
+use super::policy::Evictor;
 use super::ring::U32S_PER_PAGE;
 use super::Engine;
 use crate::pages::State;
@@ -156,6 +157,17 @@ impl Placer {
     }
 }
 
+impl Evictor for Placer {
+    fn relieve(
+        &mut self,
+        engine: &Engine,
+        writing: &mut Vec<(usize, u32)>,
+        new_epoch: bool,
+    ) -> Relief {
+        engine.place_relieve(self, writing, new_epoch)
+    }
+}
+
 /// The most pages one decision stages (each is a page move).
 const STAGE_PER_ROUND: usize = Watermarks::MAX_BATCH as usize * 4;
 
@@ -167,11 +179,11 @@ impl Engine {
         }
     }
 
-    /// One round of the evictor under placement, as the simulator's `memtide` runs it: over
+    /// One round of the evictor under placement, as the simulator's `placement` runs it: over
     /// the high watermark, takes pages out of DRAM (a batch at a time, waking waiting threads
     /// after each) until resident memory is under the low one; near the quota, stages the
     /// pages that came in, so that those used again show themselves.
-    pub(super) fn place_relieve(
+    fn place_relieve(
         &self,
         pl: &mut Placer,
         writing: &mut Vec<(usize, u32)>,

@@ -13,7 +13,7 @@ use memtide_policy::{Activeness, PAGE_SIZE};
 
 use super::fatal::fatal;
 use super::ring::{RING_DEAD, RING_EMPTY};
-use super::{prepare, Engine, EvictionPolicy, MemError};
+use super::{prepare, Engine, MemError};
 use crate::pages::{State, NONE};
 use crate::stats::Counters;
 use crate::sys;
@@ -85,8 +85,8 @@ impl Engine {
             for &(i, st) in taken {
                 match st {
                     State::Mapped => mapped += 1,
-                    State::Staged if self.policy == EvictionPolicy::Placement => {
-                        // Placement keeps pages staged long and takes them out of order: the
+                    State::Staged if self.staged_out_of_order => {
+                        // The policy keeps pages staged long and takes them out of order: the
                         // ring's tail may not pass this slot for a long time, so its DRAM is
                         // given back now. The slot is emptied after it is zapped: only then
                         // may the evictor stage into it again.

@@ -37,12 +37,12 @@ pub fn config(dir: &Scratch, quota: u64) -> Config {
     cfg
 }
 
-/// The eviction policy the tests run: `MEMTIDE_TEST_POLICY` (clock or placement), else the
+/// The eviction policy the tests run: `MEMTIDE_TEST_POLICY` (sweep or placement), else the
 /// engine's default.
 pub fn policy() -> memtide_engine::EvictionPolicy {
     std::env::var("MEMTIDE_TEST_POLICY")
         .ok()
-        .map(|n| memtide_engine::EvictionPolicy::from_name(&n).expect("clock or placement"))
+        .map(|n| memtide_engine::EvictionPolicy::from_name(&n).expect("sweep or placement"))
         .unwrap_or_default()
 }
 

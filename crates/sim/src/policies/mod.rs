@@ -14,17 +14,17 @@ mod arc;
 mod lfu;
 mod lists;
 mod lru;
+mod placement;
 mod s3fifo;
 mod sieve;
-mod tide;
 mod twoq;
 
 pub use arc::Arc;
 pub use lfu::Lfu;
 pub use lru::Lru;
+pub use placement::Placement;
 pub use s3fifo::S3Fifo;
 pub use sieve::Sieve;
-pub use tide::Tide;
 pub use twoq::TwoQ;
 
 use serde::Serialize;
@@ -94,12 +94,12 @@ pub(crate) const STAGED: u8 = 3;
 
 mod clock;
 pub mod memmode;
-mod memtide_v1;
 mod opt;
+mod sweep;
 
 pub use clock::Clock;
-pub use memtide_v1::Memtide;
 pub use opt::opt;
+pub use sweep::Sweep;
 
 /// The policy of that name at `cap` pages of DRAM over `pages` pages.
 pub fn by_name(name: &str, pages: u64, cap: u64, lat: &Latency) -> Option<Box<dyn Policy>> {
@@ -113,9 +113,9 @@ pub fn by_name(name: &str, pages: u64, cap: u64, lat: &Latency) -> Option<Box<dy
         "s3fifo" => Box::new(S3Fifo::new(pages, cap)),
         "sieve" => Box::new(Sieve::new(pages, cap)),
         "memory-mode" => Box::new(memmode::MemoryMode::new(pages, cap)),
-        "memtide" => Box::new(Tide::new(pages, cap)),
-        "memtide-exact" => Box::new(Tide::exact(pages, cap)),
-        "memtide-v1" => Box::new(Memtide::new(
+        "placement" => Box::new(Placement::new(pages, cap)),
+        "placement-exact" => Box::new(Placement::exact(pages, cap)),
+        "sweep" => Box::new(Sweep::new(
             pages,
             cap,
             lat.dram_ns.max(1.0) as u64,
@@ -268,7 +268,7 @@ mod tests {
             let best = opt(&trace, pages, cap, 0).misses;
             let lat = Latency { dram_ns: 100.0, tier_ns: 80_000.0, soft_ns: 6_000.0 };
             // memtide keeps at least 16 pages (the engine's smallest quota).
-            let memtide = (cap >= 16).then_some("memtide");
+            let memtide = (cap >= 16).then_some("placement");
             for name in ["lru", "clock", "gclock", "lfu", "arc", "2q", "s3fifo", "sieve"]
                 .into_iter()
                 .chain(memtide)
@@ -276,20 +276,20 @@ mod tests {
                 let o = replay(by_name(name, pages, cap, &lat).unwrap().as_mut(), &trace);
                 prop_assert!(best <= o.misses, "opt {} > {} {}", best, name, o.misses);
             }
-            // memtide-exact keeps `cap` pages between accesses, however few, and (as the
+            // placement-exact keeps `cap` pages between accesses, however few, and (as the
             // engine) may let the page just brought in be the one that leaves: it holds
             // `cap + 1` while the access happens, so OPT at `cap + 1` bounds it. Holding more
             // would beat that.
-            let o = replay(by_name("memtide-exact", pages, cap, &lat).unwrap().as_mut(), &trace);
+            let o = replay(by_name("placement-exact", pages, cap, &lat).unwrap().as_mut(), &trace);
             let best = opt(&trace, pages, cap + 1, 0).misses;
-            prop_assert!(best <= o.misses, "opt {} > memtide-exact {}", best, o.misses);
+            prop_assert!(best <= o.misses, "opt {} > placement-exact {}", best, o.misses);
         }
 
         #[test]
         fn memtide_exact_holds_at_most_its_dram_between_accesses(
             (trace, pages, cap) in trace_strategy()
         ) {
-            let mut t = Tide::exact(pages, cap);
+            let mut t = Placement::exact(pages, cap);
             let mut o = Outcome::default();
             for &(p, w) in &trace {
                 t.access(p as u64, w, &mut o);
@@ -415,7 +415,7 @@ mod tests {
 
     #[test]
     fn a_scan_does_not_flush_memtides_hot_set() {
-        let (before, after) = scan_damage(&mut Tide::new(10_000, 2_500));
+        let (before, after) = scan_damage(&mut Placement::new(10_000, 2_500));
         assert!(
             after <= before * 1.1 + 1e-4,
             "hot-set misses {before:.5} before the scan, {after:.5} after"
@@ -444,7 +444,7 @@ mod tests {
                 (p as u32, false)
             })
             .collect();
-        let mut m = Tide::new(1000, 400);
+        let mut m = Placement::new(1000, 400);
         let o = replay(&mut m, &trace);
         let best = opt(&trace, 1000, 400, 0);
         // Cold accesses (5%) miss with probability about 1 - 300/900; the hot set stays.

@@ -1,51 +1,51 @@
 //! memtide's placement ([`memtide_policy::Placement`]) replayed with exactly the engine's view:
 //! an access to a mapped page is invisible; the policy hears of first touches, misses and
-//! accesses to pages it staged (hint faults, counted as soft faults). As `memtide`, eviction
+//! accesses to pages it staged (hint faults, counted as soft faults). As `placement`, eviction
 //! runs between the engine's [`Watermarks`] (one to two write-back batches below the quota,
 //! so that a faulting thread rarely waits), and new pages are staged once DRAM nears the
-//! quota, as an engine evictor running placement would. As `memtide-exact`, it keeps exactly
+//! quota, as an engine evictor running placement would. As `placement-exact`, it keeps exactly
 //! as many pages in DRAM as every other policy does between accesses (evicting one page when
 //! one more comes in, which may be that page, once used, as in the engine): the placement
 //! decisions alone, for comparing policies.
 
-use memtide_policy::{Pages, Placement, Residence, Watermarks};
+use memtide_policy::{self as policy, Pages, Residence, Watermarks};
 
 use super::{Outcome, Policy, DIRTY, IN_DRAM, NEVER, OUT, STAGED};
 
 /// The bits of a page's state that say where it is (`IN_DRAM`: in DRAM and mapped).
 const WHERE: u8 = 3;
 
-pub struct Tide {
+pub struct Placement {
     name: &'static str,
     state: Vec<u8>,
     resident: u64,
-    placement: Placement,
+    placement: policy::Placement,
     wm: Watermarks,
 }
 
-impl Tide {
+impl Placement {
     /// Placement as the engine runs it, between its watermarks.
-    pub fn new(pages: u64, cap: u64) -> Tide {
-        Tide::with(pages, Watermarks::for_quota(cap), "memtide")
+    pub fn new(pages: u64, cap: u64) -> Placement {
+        Placement::with(pages, Watermarks::for_quota(cap), "placement")
     }
 
     /// Placement with exactly `cap` pages of DRAM in use, as the other policies have.
-    pub fn exact(pages: u64, cap: u64) -> Tide {
+    pub fn exact(pages: u64, cap: u64) -> Placement {
         let wm = Watermarks {
             quota: cap.max(1),
             high_headroom: 0,
             low_headroom: 0,
             ..Watermarks::for_quota(cap)
         };
-        Tide::with(pages, wm, "memtide-exact")
+        Placement::with(pages, wm, "placement-exact")
     }
 
-    fn with(pages: u64, wm: Watermarks, name: &'static str) -> Tide {
-        Tide {
+    fn with(pages: u64, wm: Watermarks, name: &'static str) -> Placement {
+        Placement {
             name,
             state: vec![NEVER; pages as usize],
             resident: 0,
-            placement: Placement::new(pages as usize, wm.quota),
+            placement: policy::Placement::new(pages as usize, wm.quota),
             wm,
         }
     }
@@ -112,7 +112,7 @@ impl Pages for SimPages<'_> {
     }
 }
 
-impl Tide {
+impl Placement {
     /// Pages in DRAM (mapped or staged).
     #[cfg(test)]
     pub(super) fn resident(&self) -> u64 {
@@ -120,13 +120,13 @@ impl Tide {
     }
 }
 
-impl Policy for Tide {
+impl Policy for Placement {
     fn name(&self) -> &'static str {
         self.name
     }
 
     fn state_bytes(&self) -> u64 {
-        self.state.len() as u64 * (1 + Placement::BYTES_PER_PAGE)
+        self.state.len() as u64 * (1 + policy::Placement::BYTES_PER_PAGE)
     }
 
     fn access(&mut self, page: u64, write: bool, o: &mut Outcome) {

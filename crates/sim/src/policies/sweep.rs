@@ -1,18 +1,18 @@
-//! memtide's first policy (`memtide-v1`), the CLOCK sweep the engine runs by default, over
-//! the simulator's page states. Entry point: [`Memtide`].
+//! The CLOCK sweep the engine runs by default (`sweep`), over the simulator's page states.
+//! Entry point: [`Sweep`].
 
 use memtide_policy::{Activeness, EpochClock, Relieve, SweepPages, Watermarks};
 
 use super::{Outcome, Policy, DIRTY, IN_DRAM, LOOKAHEAD, NEVER, OUT, STAGED};
 
-/// memtide's first policy, which the engine runs until it moves to [`Tide`]: pages faulted in are mapped and invisible until the
-/// CLOCK sweep (the policy crate's [`memtide_policy::Clock`] over [`Activeness`] histories) unmaps the idlest
+/// The engine's default policy (the other is [`super::Placement`]): pages faulted in are mapped
+/// and invisible until the CLOCK sweep (the policy crate's [`memtide_policy::Sweep`] over [`Activeness`] histories) unmaps the idlest
 /// into an inactive FIFO; touching an inactive page is a soft fault that promotes it; the FIFO's
 /// oldest pages go to tier 1 when DRAM passes the [`Watermarks`] — the policy crate's own
 /// pressure relief ([`Watermarks::relieve`]) drives both, over this simulator's page states, as
 /// the engine's evictor drives them over its page table. Epochs come from the policy crate's
 /// [`EpochClock`] on simulated time: each access costs `access_ns`, each miss `miss_ns` more.
-pub struct Memtide {
+pub struct Sweep {
     state: Vec<u8>,
     hist: Vec<Activeness>,
     /// The epoch each page's history was last brought up to date in: histories age lazily,
@@ -24,7 +24,7 @@ pub struct Memtide {
     staged: u64,
     resident: u64,
     wm: Watermarks,
-    sweep: memtide_policy::Clock,
+    sweep: memtide_policy::Sweep,
     clock: EpochClock,
     now_ns: u64,
     access_ns: u64,
@@ -32,19 +32,19 @@ pub struct Memtide {
     touched_max: usize,
 }
 
-/// How many times in a row the sweep found a page in use ([`memtide_policy::clock::MAX_PROVEN`]),
+/// How many times in a row the sweep found a page in use ([`memtide_policy::sweep::MAX_PROVEN`]),
 /// as the engine keeps it in its page words: one more for each touch while inactive, none once
 /// the page leaves DRAM.
 const PROVEN_SHIFT: u8 = 4;
 const PROVEN: u8 = 3 << PROVEN_SHIFT;
 const _: () = assert!(
-    memtide_policy::clock::MAX_PROVEN <= 3,
+    memtide_policy::sweep::MAX_PROVEN <= 3,
     "two bits hold the count"
 );
 
 fn proven_once_more(state: u8) -> u8 {
     let k = ((state & PROVEN) >> PROVEN_SHIFT) + 1;
-    (state & !PROVEN) | (k.min(memtide_policy::clock::MAX_PROVEN) << PROVEN_SHIFT)
+    (state & !PROVEN) | (k.min(memtide_policy::sweep::MAX_PROVEN) << PROVEN_SHIFT)
 }
 
 /// Page `i`'s history as of epoch `now`, brought up to date.
@@ -92,7 +92,7 @@ impl SweepPages for Candidates<'_> {
 
 /// The simulator as the policy's pressure relief drives it; write-backs are counted in `o`.
 struct Pressure<'a> {
-    m: &'a mut Memtide,
+    m: &'a mut Sweep,
     o: &'a mut Outcome,
 }
 
@@ -143,9 +143,9 @@ impl Relieve for Pressure<'_> {
     }
 }
 
-impl Memtide {
-    pub fn new(pages: u64, cap: u64, access_ns: u64, miss_ns: u64, epoch_ns: u64) -> Memtide {
-        Memtide {
+impl Sweep {
+    pub fn new(pages: u64, cap: u64, access_ns: u64, miss_ns: u64, epoch_ns: u64) -> Sweep {
+        Sweep {
             state: vec![NEVER; pages as usize],
             hist: vec![Activeness(0); pages as usize],
             aged_at: vec![0; pages as usize],
@@ -153,7 +153,7 @@ impl Memtide {
             staged: 0,
             resident: 0,
             wm: Watermarks::for_quota(cap.max(16)),
-            sweep: memtide_policy::Clock::default(),
+            sweep: memtide_policy::Sweep::default(),
             clock: EpochClock::new(epoch_ns),
             now_ns: 0,
             access_ns,
@@ -178,9 +178,9 @@ impl Memtide {
     }
 }
 
-impl Policy for Memtide {
+impl Policy for Sweep {
     fn name(&self) -> &'static str {
-        "memtide-v1"
+        "sweep"
     }
     fn access_batch(&mut self, batch: &[u64], o: &mut Outcome) {
         batch_with_lookahead!(self, batch, o, state)

@@ -2,7 +2,7 @@
 //! deactivation and write-back between the watermarks. Both reach the pages through a small
 //! trait ([`SweepPages`], [`Relieve`]) that the engine implements over its page table and the
 //! simulator over its page states, so that the simulator replays exactly the engine's policy.
-//! Entry points: [`Clock::deactivate`], [`Watermarks::relieve`].
+//! Entry points: [`Sweep::deactivate`], [`Watermarks::relieve`].
 
 use crate::{Activeness, Watermarks};
 
@@ -17,23 +17,23 @@ use crate::{Activeness, Watermarks};
 /// its standing when it leaves DRAM.
 pub const MAX_PROVEN: u8 = 3;
 
-/// The CLOCK-style deactivation sweep: decides, page by page, whether a resident active page
+/// The bar the CLOCK sweep applies: decides, page by page, whether a resident active page
 /// should be unmapped into the inactive list.
 ///
 /// The sweep demands a minimum number of idle epochs. When a full pass over resident memory
 /// finds too few such pages, the demand drops by one epoch (pressure wins over history); when a
-/// pass finds plenty, it rises again, up to [`Sweep::MAX_IDLE`]. A page that was touched in the
+/// pass finds plenty, it rises again, up to [`IdleBar::MAX_IDLE`]. A page that was touched in the
 /// current epoch is never taken while any other page qualifies.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Sweep {
+pub struct IdleBar {
     required_idle: u32,
     found_this_pass: u64,
     wanted_this_pass: u64,
 }
 
-impl Default for Sweep {
+impl Default for IdleBar {
     fn default() -> Self {
-        Sweep {
+        IdleBar {
             required_idle: Self::MAX_IDLE,
             found_this_pass: 0,
             wanted_this_pass: 0,
@@ -41,7 +41,7 @@ impl Default for Sweep {
     }
 }
 
-impl Sweep {
+impl IdleBar {
     /// The demand a sweep starts with and never exceeds: two idle epochs.
     pub const MAX_IDLE: u32 = 2;
 
@@ -98,16 +98,16 @@ pub trait SweepPages {
     }
 }
 
-/// The CLOCK hand and the bar it applies ([`Sweep`]).
+/// The CLOCK hand and the bar it applies ([`IdleBar`]).
 #[derive(Clone, Debug, Default)]
-pub struct Clock {
-    sweep: Sweep,
+pub struct Sweep {
+    sweep: IdleBar,
     hand: usize,
     /// Passes the hand has completed.
     passes: usize,
 }
 
-impl Clock {
+impl Sweep {
     /// Moves the hand over the pages until `want` of them were taken, or the hand went round
     /// `MAX_IDLE + 1` times (each pass that comes up short lowers the bar), `2^MAX_PROVEN`
     /// more once it has spared a page (a page proven in use is spared on all but one of
@@ -122,7 +122,7 @@ impl Clock {
         let mut scanned = 0;
         // Passes that come up short lower the bar; passes that spare proven pages may take
         // up to 2^MAX_PROVEN more to reach pages due a test.
-        let mut limit = n * (Sweep::MAX_IDLE as usize + 1);
+        let mut limit = n * (IdleBar::MAX_IDLE as usize + 1);
         let mut spared = false;
         while taken < want && scanned < limit {
             if self.hand >= n {
@@ -236,7 +236,7 @@ mod tests {
 
     #[test]
     fn sweep_relaxes_when_starved_and_tightens_when_rich() {
-        let mut s = Sweep::default();
+        let mut s = IdleBar::default();
         assert_eq!(s.required_idle(), 2);
         s.want(10);
         assert!(!s.take(Activeness(0x40)));
@@ -260,7 +260,7 @@ mod tests {
     fn sweep_judges_a_pass_by_the_demand_of_the_whole_pass() {
         // Many small calls in one pass: 30 found for 40 wanted is short, whatever each call
         // asked for.
-        let mut s = Sweep::default();
+        let mut s = IdleBar::default();
         for _ in 0..40 {
             s.want(1);
         }
@@ -298,7 +298,7 @@ mod tests {
             hist: hist.iter().map(|&h| Activeness(h)).collect(),
             taken: Vec::new(),
         };
-        let mut c = Clock::default();
+        let mut c = Sweep::default();
         assert_eq!(c.deactivate(&mut pages, 2), 2);
         assert_eq!(pages.taken, [1, 3]);
         // Two more: none is idle for two epochs, so the bar drops to one (page 4), then to
@@ -339,10 +339,10 @@ mod tests {
             proven: proven.clone(),
             taken: Vec::new(),
         };
-        let mut c = Clock::default();
+        let mut c = Sweep::default();
         // More than the pages can give: the hand goes round as often as one call allows.
         let got = c.deactivate(&mut pages, usize::MAX);
-        let passes = Sweep::MAX_IDLE as usize + 1 + (1 << MAX_PROVEN);
+        let passes = IdleBar::MAX_IDLE as usize + 1 + (1 << MAX_PROVEN);
         let mut tested = vec![0usize; n];
         for &i in &pages.taken {
             tested[i] += 1;
