@@ -33,7 +33,7 @@ pub struct SimArgs {
     /// profiles, a moving hot set, a hot set with a scan, uniform; each at every --dram
     /// (default here 10%,25%,50%,75%), after a warm-up. Prints memtide's misses against the
     /// best online policy's on every row, at the same DRAM (placement-exact), and as the engine
-    /// runs it, with its headroom below the quota (memtide).
+    /// runs it, with its headroom below the quota (placement).
     #[arg(long, conflicts_with = "trace")]
     pub corpus: bool,
     /// With --corpus: each workload's footprint (default 1GiB), counted accesses (default 5M)
