@@ -149,6 +149,46 @@ fn emit(line: &Line) {
     let _ = out.flush();
 }
 
+/// The workload's memory: an anonymous private mapping made through libc's `mmap`, so that
+/// under memtide the preload library manages it as it would a program's (the engine's own
+/// `Mapping` goes around libc and would not be). It is kept until the process exits, so that
+/// the run summary shows where its pages ended up.
+struct Memory {
+    base: usize,
+    pages: usize,
+}
+
+impl Memory {
+    fn map(pages: usize) -> std::io::Result<Memory> {
+        // SAFETY: a fresh private anonymous mapping, which nothing else refers to.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                pages * PAGE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Memory {
+            base: base as usize,
+            pages,
+        })
+    }
+
+    /// Word `k` (of 512) of page `p`.
+    fn word(&self, p: usize, k: usize) -> &AtomicU64 {
+        assert!(p < self.pages && k < PAGE / 8, "word {k} of page {p}");
+        // SAFETY: inside the mapping (checked above) and aligned; the mapping is never
+        // unmapped, and is only ever accessed atomically.
+        unsafe { &*((self.base + p * PAGE + k * 8) as *const AtomicU64) }
+    }
+}
+
 pub fn main(a: WorkloadArgs) -> Result<ExitCode> {
     let pages = (a.footprint as usize / PAGE).max(1);
     let len = pages * PAGE;
@@ -158,29 +198,8 @@ pub fn main(a: WorkloadArgs) -> Result<ExitCode> {
     if !(a.rate >= 0.0 && a.rate.is_finite()) {
         bail!("--rate must be 0 (as fast as possible) or a positive number of accesses/s");
     }
-    // SAFETY: a fresh private anonymous mapping; under memtide it becomes managed memory.
-    let base = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    if base == libc::MAP_FAILED {
-        bail!(
-            "cannot map {} bytes: {}",
-            len,
-            std::io::Error::last_os_error()
-        );
-    }
-    let base = base as usize;
-    let word = |p: usize, k: usize| -> &AtomicU64 {
-        // SAFETY: p < pages and k < 512: inside the mapping, aligned; it lives until exit.
-        unsafe { &*((base + p * PAGE + k * 8) as *const AtomicU64) }
-    };
+    let memory = Memory::map(pages).map_err(|e| anyhow::anyhow!("cannot map {len} bytes: {e}"))?;
+    let word = |p: usize, k: usize| memory.word(p, k);
     let shadow: Vec<AtomicU32> = (0..pages).map(|_| AtomicU32::new(0)).collect();
 
     // Fill: first touch of every page, in order.
