@@ -6,7 +6,6 @@
 //! the peers, runs the experiments in turn and writes the JSON report. Every system setting
 //! it changes is put back when it ends, however it ends. Entry point: [`bench`].
 
-use std::path::Path;
 use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
@@ -18,9 +17,7 @@ use crate::kv::KvArgs;
 use crate::lab::{budget_bytes, variant, Common, Configs};
 use crate::micro::{raw_read_p50_us, MicroArgs};
 use crate::preflight;
-use crate::system::{
-    catch_interruptions, set_zswap, setup_swap, Guard, Restore, TenantCgroups, ZSWAP,
-};
+use crate::system::{catch_interruptions, setup_swap, Guard, Pool, Pools, Restore, TenantCgroups};
 use crate::tenants::TenantArgs;
 use crate::vms::VmArgs;
 
@@ -59,7 +56,20 @@ pub struct BenchArgs {
     pub vms: VmArgs,
 }
 
-pub fn bench(args: BenchArgs) -> Result<ExitCode> {
+pub fn bench(mut args: BenchArgs) -> Result<ExitCode> {
+    // Once each, in the order given (`clock` and `sweep` are the same policy).
+    let mut seen = Vec::new();
+    args.common.policy.retain(|p| {
+        let new = !seen.contains(p);
+        seen.push(*p);
+        new
+    });
+    let mut seen = Vec::new();
+    args.common.faults.retain(|f| {
+        let new = !seen.contains(f);
+        seen.push(*f);
+        new
+    });
     let a = &args.common;
     let (t, v) = (&args.tenants, &args.vms);
     if a.reps_given == Some(0) {
@@ -223,13 +233,21 @@ pub fn bench(args: BenchArgs) -> Result<ExitCode> {
     } else {
         None
     };
-    let zswap = !a.no_swap && !a.no_zswap && Path::new(ZSWAP).exists();
-    if !a.no_swap && !a.no_zswap && !zswap {
-        eprintln!("memtide: this kernel has no zswap; skipping the zswap configurations");
-    }
-    // Every configuration: name, budget fraction, placement, whether zswap is on.
-    let mut configs: Vec<(String, f64, Placement, bool)> =
-        vec![("all-DRAM".into(), 1.0, Placement::Dram, false)];
+    let mut pools = if cg.is_some() {
+        Pools::setup(
+            a.no_zswap,
+            a.no_zram,
+            a.pool_share / 100.0,
+            swap_bytes,
+            &mut guard,
+        )?
+    } else {
+        Pools::none()
+    };
+    // Every configuration: name, budget fraction, placement, the compressed pool in front of
+    // swap.
+    let mut configs: Vec<(String, f64, Placement, Pool)> =
+        vec![("all-DRAM".into(), 1.0, Placement::Dram, Pool::None)];
     for (i, &b) in budgets.iter().enumerate() {
         let pct = a.budgets[i];
         for &policy in &a.policy {
@@ -244,24 +262,24 @@ pub fn bench(args: BenchArgs) -> Result<ExitCode> {
                         faults,
                         policy,
                     },
-                    false,
+                    Pool::None,
                 ));
             }
         }
         if let Some(procs) = cgroups.get(i) {
-            configs.push((
-                format!("Linux swap {pct:.0}%"),
-                pct / 100.0,
-                Placement::Cgroup { procs },
-                false,
-            ));
-            if zswap {
-                configs.push((
-                    format!("zswap {pct:.0}%"),
-                    pct / 100.0,
-                    Placement::Cgroup { procs },
-                    true,
-                ));
+            for (peer, pool) in [
+                ("Linux swap", Pool::None),
+                ("zswap", Pool::Zswap),
+                ("zram", Pool::Zram),
+            ] {
+                if pools.has(pool) {
+                    configs.push((
+                        format!("{peer} {pct:.0}%"),
+                        pct / 100.0,
+                        Placement::Cgroup { procs },
+                        pool,
+                    ));
+                }
             }
         }
     }
@@ -272,16 +290,18 @@ pub fn bench(args: BenchArgs) -> Result<ExitCode> {
     report.insert("reps".into(), a.reps().into());
     for e in &args.experiments {
         let section = match e.as_str() {
-            "micro" => crate::micro::run(a, &args.micro, &configs, zswap, raw_p50)?,
-            "memcached" => {
-                crate::kv::run(a, &args.kv, crate::kv::Server::Memcached, &configs, zswap)?
-            }
-            "redis" => crate::kv::run(a, &args.kv, crate::kv::Server::Redis, &configs, zswap)?,
+            "micro" => crate::micro::run(a, &args.micro, &configs, &mut pools, raw_p50)?,
+            "memcached" => crate::kv::run(
+                a,
+                &args.kv,
+                crate::kv::Server::Memcached,
+                &configs,
+                &mut pools,
+            )?,
+            "redis" => crate::kv::run(a, &args.kv, crate::kv::Server::Redis, &configs, &mut pools)?,
             "quotas" => crate::quotas::quotas(a, t)?,
             "density" | "noisy" | "vms" => {
-                if zswap {
-                    set_zswap(false)?;
-                }
+                pools.select(Pool::None, 0, 1.0)?;
                 let host = crate::tenants::Host {
                     tier: &a.tier,
                     preload: &preload,

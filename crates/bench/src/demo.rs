@@ -210,6 +210,7 @@ pub fn demo(a: DemoArgs) -> Result<ExitCode> {
         threads: 1,
         rate: 0.0,
         scan: false,
+        contents: crate::workload::Contents::default(),
         seed: 42,
     };
     let pct = a.dram as f64 * 100.0 / a.footprint as f64;

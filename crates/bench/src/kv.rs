@@ -20,7 +20,7 @@ use crate::demo::Placement;
 use crate::lab::{beyond_quota, config_width, swap_peer, Common, Configs, SameDram};
 use crate::report::median;
 use crate::summary;
-use crate::system::{interrupted, set_zswap};
+use crate::system::{interrupted, Pools};
 
 /// The key-value experiments' flags (`memcached`, `redis`).
 #[derive(clap::Args, Debug)]
@@ -520,7 +520,7 @@ pub fn run(
     x: &KvArgs,
     server: Server,
     configs: &Configs,
-    zswap: bool,
+    pools: &mut Pools,
 ) -> Result<serde_json::Value> {
     let mut same_dram = SameDram::new(a, configs);
     let configs = &configs.0;
@@ -537,20 +537,21 @@ pub fn run(
     let started = Instant::now();
     for rep in 0..a.reps() {
         for &skew in &x.skews {
-            for (name, budget, place, zswap_on) in configs {
+            for (name, budget, place, pool) in configs {
                 let budget = *budget;
                 if interrupted() {
                     bail!("interrupted; settings restored");
                 }
-                if zswap {
-                    set_zswap(*zswap_on)?;
-                }
+                let budget_b = crate::lab::budget_bytes(a.footprint, budget * 100.0);
+                // Values are sized, not shaped for a compressor: zram holds its cap's worth.
+                pools.select(*pool, budget_b, 1.0)?;
                 let label = format!(
                     "{} {} zipf {skew} {name}",
                     crate::report::step_label(records.len(), total, started),
                     server.name()
                 );
-                let cgroup_limit = same_dram.before(name, budget, place)?;
+                let cgroup_limit =
+                    same_dram.before(name, budget, place, pools.cap(*pool, budget_b))?;
                 let mut r = match one_run(a, x, server, skew, place, &label) {
                     Ok(r) => r,
                     Err(e) if matches!(place, Placement::Cgroup { .. }) => {
@@ -652,7 +653,7 @@ pub fn run(
     }
     same_dram.print();
     let mut series = Vec::new();
-    for family in ["memtide", "Linux swap", "zswap"] {
+    for family in ["memtide", "Linux swap", "zswap", "zram"] {
         for &skew in &x.skews {
             let points: Vec<(f64, f64)> = rows
                 .iter()

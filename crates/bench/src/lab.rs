@@ -10,6 +10,7 @@ use clap::Args;
 
 use crate::demo::Placement;
 use crate::opts;
+use crate::system::Pool;
 
 /// The flags every experiment reads.
 #[derive(Args, Debug)]
@@ -50,6 +51,15 @@ pub struct Common {
     /// Skip the zswap configurations (Linux swap with a compressed RAM cache in front).
     #[arg(long)]
     pub no_zswap: bool,
+    /// Skip the zram configurations (a compressed RAM swap device, lz4, in front of the swap
+    /// file).
+    #[arg(long)]
+    pub no_zram: bool,
+    /// The share of each budget that zswap's and zram's compressed pools may take; their
+    /// memory cgroup is limited to the rest (the pools live outside it), so that they have the
+    /// same DRAM in all as the other configurations.
+    #[arg(long, value_parser = opts::percent, default_value = "50")]
+    pub pool_share: f64,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -89,8 +99,8 @@ pub struct SameDram {
     limit_file: Option<&'static str>,
     /// Per budget (a fraction of the footprint): the most memtide kept beyond its quota.
     unmanaged: Vec<(f64, u64)>,
-    /// Per Linux-swap configuration: its budget and the highest limit it ran under.
-    limits: Vec<(String, u64, u64)>,
+    /// Per Linux-swap configuration: its budget, the highest limit it ran under, its pool's cap.
+    limits: Vec<(String, u64, u64, u64)>,
 }
 
 impl SameDram {
@@ -104,8 +114,15 @@ impl SameDram {
     }
 
     /// Before a run of configuration `name` at `budget` in `place`: a Linux-swap run gets its
-    /// limit (returned); others nothing.
-    pub fn before(&mut self, name: &str, budget: f64, place: &Placement) -> Result<Option<u64>> {
+    /// limit (returned), less `pool` bytes for a compressed pool outside the cgroup; others
+    /// nothing.
+    pub fn before(
+        &mut self,
+        name: &str,
+        budget: f64,
+        place: &Placement,
+        pool: u64,
+    ) -> Result<Option<u64>> {
         let (Placement::Cgroup { procs }, Some(file)) = (place, self.limit_file) else {
             return Ok(None);
         };
@@ -118,12 +135,12 @@ impl SameDram {
             .find(|(b, _)| *b == budget)
             .map_or(0, |&(_, most)| most);
         let budget = budget_bytes(self.footprint, budget * 100.0);
-        let limit = budget + beyond.next_multiple_of(1 << 20);
+        let limit = (budget + beyond.next_multiple_of(1 << 20)).saturating_sub(pool);
         std::fs::write(dir.join(file), limit.to_string())
             .with_context(|| format!("cannot set the memory limit of {}", dir.display()))?;
         match self.limits.iter_mut().find(|l| l.0 == name) {
             Some(l) => l.2 = l.2.max(limit),
-            None => self.limits.push((name.to_string(), budget, limit)),
+            None => self.limits.push((name.to_string(), budget, limit, pool)),
         }
         Ok(Some(limit))
     }
@@ -138,9 +155,17 @@ impl SameDram {
 
     /// Says what DRAM each Linux-swap configuration had.
     pub fn print(&self) {
-        for (name, budget, limit) in &self.limits {
+        for (name, budget, limit, pool) in &self.limits {
+            let less_pool = if *pool > 0 {
+                format!(
+                    ", less the {} its compressed pool may take outside the cgroup",
+                    memtide_engine::size::format(*pool)
+                )
+            } else {
+                String::new()
+            };
             println!(
-                "({name}: cgroup limit up to {}, the budget of {} plus the most anonymous memory memtide's runs at that budget kept beyond their quota, so that both have the same DRAM)",
+                "({name}: cgroup limit up to {}, the budget of {} plus the most anonymous memory memtide's runs at that budget kept beyond their quota{less_pool}, so that all have the same DRAM)",
                 memtide_engine::size::format(*limit),
                 memtide_engine::size::format(*budget),
             );
@@ -171,10 +196,10 @@ pub(crate) fn variant(
     name
 }
 
-/// Every configuration of a run (name, DRAM budget as a fraction, placement, zswap on), and
-/// the Linux-swap cgroups' limit file.
+/// Every configuration of a run (name, DRAM budget as a fraction, placement, the kernel's
+/// compressed pool in front of swap), and the Linux-swap cgroups' limit file.
 pub struct Configs<'a>(
-    pub Vec<(String, f64, Placement<'a>, bool)>,
+    pub Vec<(String, f64, Placement<'a>, Pool)>,
     pub Option<&'static str>,
 );
 

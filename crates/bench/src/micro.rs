@@ -14,14 +14,20 @@ use serde::Serialize;
 
 use crate::demo::{run_workload, Outcome, Placement};
 use crate::device::{Pattern, ProbeFile};
-use crate::lab::{beyond_quota, config_width, swap_peer, Common, Configs, SameDram};
+use crate::lab::{beyond_quota, budget_bytes, config_width, swap_peer, Common, Configs, SameDram};
 use crate::report::{median, step_label};
-use crate::system::{interrupted, set_zswap};
-use crate::workload::WorkloadArgs;
+use crate::system::{interrupted, Pool, Pools};
+use crate::workload::{Contents, WorkloadArgs};
 
 /// The microbenchmark's flags.
 #[derive(Args, Debug)]
 pub struct MicroArgs {
+    /// What the workload's pages hold, named by what lz4 makes of it: `zero-heavy` (all but
+    /// 16 bytes a page zero, as a fresh allocation), `random` (incompressible), `2x` (half
+    /// random, half zero), `3x` (a third random), `text` (English words, about 1.6:1). Every byte is
+    /// checked at the end of every run.
+    #[arg(long, value_enum, default_value = "zero-heavy")]
+    pub contents: Contents,
     /// Workloads: `green` (10% of pages take all accesses but 1 in 100,000, which go
     /// anywhere: the active set is at most half of every budget down to 20%), `skewed` (10% of
     /// pages take 99% and the other 1% go anywhere: every page is touched every few seconds,
@@ -82,6 +88,9 @@ struct RunRecord {
     tier_fault_p50_us: Option<f64>,
     tier_read_p50_us: Option<f64>,
     peak_dram: Option<u64>,
+    /// zram configurations: the most DRAM its compressed pool took.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pool_peak: Option<u64>,
     verified_pages: u64,
     /// Linux swap's cgroup limit: the budget plus what memtide's runs kept unmanaged.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -129,7 +138,7 @@ pub fn run(
     a: &Common,
     m: &MicroArgs,
     configs: &Configs,
-    zswap: bool,
+    pools: &mut Pools,
     raw_p50: Option<f64>,
 ) -> Result<serde_json::Value> {
     let mut same_dram = SameDram::new(a, configs);
@@ -151,21 +160,22 @@ pub fn run(
                     threads,
                     rate: 0.0,
                     scan: false,
+                    contents: m.contents,
                     seed: 42 + rep as u64,
                 };
-                for (name, budget, place, zswap_on) in configs {
+                for (name, budget, place, pool) in configs {
                     let budget = *budget;
                     if interrupted() {
                         bail!("interrupted; settings restored");
                     }
-                    if zswap {
-                        set_zswap(*zswap_on)?;
-                    }
+                    let budget_b = budget_bytes(a.footprint, budget * 100.0);
+                    pools.select(*pool, budget_b, m.contents.lz4_ratio())?;
                     let label = format!(
                         "{} {wname} {threads}t {name}",
                         step_label(records.len(), total_runs, started)
                     );
-                    let cgroup_limit = same_dram.before(name, budget, place)?;
+                    let cgroup_limit =
+                        same_dram.before(name, budget, place, pools.cap(*pool, budget_b))?;
                     let o: Outcome = match run_workload(&label, &w, place) {
                         Ok(o) => o,
                         // Linux may kill a workload in its cgroup (out of memory with the
@@ -213,6 +223,7 @@ pub fn run(
                         tier_fault_p50_us: o.memtide.as_ref().map(|s| s.fault_tier_latency_p50_us),
                         tier_read_p50_us: o.memtide.as_ref().map(|s| s.tier_read_latency_p50_us),
                         peak_dram: o.memtide.as_ref().map(|s| s.peak_dram_bytes),
+                        pool_peak: pools.zram_peak(),
                         verified_pages: o.result.verified_pages,
                         cgroup_limit,
                         failed: None,
@@ -317,13 +328,44 @@ pub fn run(
         "(miss: accesses served from tier 1 or swap, i.e. slower than 20 µs; sampled 1 in 64; miss µs: their p50 as the program waits for them)"
     );
     same_dram.print();
+    // memtide against the compressed peers at the same budget, and what zram's pool took.
+    for w in &m.workloads {
+        for &t in &m.threads {
+            for (c, budget, _, _) in configs.iter().filter(|c| c.0.starts_with("memtide ")) {
+                let tp = med(w, t, c, &|r| r.throughput);
+                let vs: Vec<String> = ["zswap", "zram"]
+                    .iter()
+                    .map(|peer| format!("{peer} {:.0}%", budget * 100.0))
+                    .filter(|peer| configs.iter().any(|c| &c.0 == peer))
+                    .map(|peer| format!("{:.2}x {peer}", tp / med(w, t, &peer, &|r| r.throughput)))
+                    .collect();
+                if !vs.is_empty() {
+                    println!("({w} {t} thr: {c} runs at {})", vs.join(", "));
+                }
+            }
+        }
+    }
+    for (c, budget, _, pool) in configs.iter().filter(|c| c.3 == Pool::Zram) {
+        let peak = records
+            .iter()
+            .filter(|r| &r.config == c)
+            .filter_map(|r| r.pool_peak)
+            .max();
+        if let Some(peak) = peak {
+            println!(
+                "({c}: its pool took up to {} of DRAM; its share of the budget is {})",
+                bytes(peak),
+                bytes(pools.cap(*pool, budget_bytes(a.footprint, budget * 100.0)))
+            );
+        }
+    }
     if a.faults.contains(&memtide_engine::Delivery::Signal) {
         println!("(sig: memtide with faults delivered as SIGBUS in the faulting thread, --faults signal; the others use handler threads)");
     }
     // One plot per workload: throughput against all-DRAM per budget, per family and threads.
     for w in &m.workloads {
         let mut series = Vec::new();
-        for family in ["memtide", "Linux swap", "zswap"] {
+        for family in ["memtide", "Linux swap", "zswap", "zram"] {
             for &t in &m.threads {
                 let points: Vec<(f64, f64)> = rows
                     .iter()
@@ -388,6 +430,8 @@ pub fn run(
     Ok(serde_json::json!({
         "threads": m.threads,
         "workloads": m.workloads,
+        "contents": m.contents.name(),
+        "pool_share": a.pool_share,
         "seconds": a.seconds,
         "warmup": a.warmup,
         "rows": rows,

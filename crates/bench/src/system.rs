@@ -55,6 +55,8 @@ pub(crate) enum Restore {
     Cgroup(PathBuf),
     /// A file it wrote: the old value written back.
     Write(PathBuf, String),
+    /// The zram device it used: swapped off and reset.
+    Zram,
 }
 
 impl Restore {
@@ -96,6 +98,7 @@ impl Restore {
             Restore::Write(p, v) => {
                 let _ = std::fs::write(p, v);
             }
+            Restore::Zram => zram_off(),
         }
     }
 }
@@ -290,4 +293,200 @@ pub(crate) fn setup_swap(tier: &Path, swap_bytes: u64, guard: &mut Guard) -> Res
     run_cmd(Command::new("mkswap").arg(&swap), "mkswap")?;
     run_cmd(Command::new("swapon").arg(&swap), "swapon")?;
     Ok(cg)
+}
+
+/// The kernel's compressed pool a Linux configuration runs with, in front of the swap file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pool {
+    /// None: plain Linux swap (or not a Linux configuration).
+    None,
+    /// zswap, with the compressor the kernel has.
+    Zswap,
+    /// A zram device (lz4) at a higher priority than the swap file.
+    Zram,
+}
+
+const ZSWAP_MAX_POOL: &str = "/sys/module/zswap/parameters/max_pool_percent";
+const ZRAM: &str = "/sys/block/zram0";
+const ZRAM_DEV: &str = "/dev/zram0";
+
+/// The compressed pools the bench runs its Linux configurations with, and what is switched
+/// on now. Each pool may take `share` of a configuration's DRAM budget; the rest is its memory
+/// cgroup's limit (the pools live outside the cgroup, so both have the same DRAM in all).
+pub struct Pools {
+    zswap: bool,
+    zram: bool,
+    share: f64,
+    /// The most zram may hold uncompressed (the largest swap any run needs).
+    zram_disk: u64,
+    total_ram: u64,
+    /// The zram device's size while it is on.
+    zram_on: Option<u64>,
+}
+
+impl Pools {
+    /// No pools (no Linux configurations, or `--no-swap`).
+    pub(crate) fn none() -> Pools {
+        Pools {
+            zswap: false,
+            zram: false,
+            share: 0.0,
+            zram_disk: 0,
+            total_ram: 1,
+            zram_on: None,
+        }
+    }
+
+    /// The pools this kernel has and the bench may use (zswap unless `no_zswap`, zram unless
+    /// `no_zram` or the device is in use), each setting recorded in `guard` before it changes.
+    /// `share` is the fraction of a budget a pool may take, `disk` what zram may hold.
+    pub(crate) fn setup(
+        no_zswap: bool,
+        no_zram: bool,
+        share: f64,
+        disk: u64,
+        guard: &mut Guard,
+    ) -> Result<Pools> {
+        let zswap = !no_zswap && Path::new(ZSWAP).exists();
+        if !no_zswap && !zswap {
+            eprintln!("memtide: this kernel has no zswap; skipping the zswap configurations");
+        }
+        if zswap {
+            if let Ok(v) = std::fs::read_to_string(ZSWAP_MAX_POOL) {
+                guard.push(Restore::Write(
+                    PathBuf::from(ZSWAP_MAX_POOL),
+                    v.trim().to_string(),
+                ))?;
+            }
+        }
+        let mut zram = false;
+        if !no_zram {
+            let initstate = std::fs::read_to_string(format!("{ZRAM}/initstate"));
+            match initstate.as_deref().map(str::trim) {
+                Err(_) => eprintln!(
+                    "memtide: this kernel has no zram device ({ZRAM}); skipping the zram configurations"
+                ),
+                Ok("0") => {
+                    // Put back as found: reset (empty, no swap), then its compressor.
+                    let algorithms = std::fs::read_to_string(format!("{ZRAM}/comp_algorithm"))
+                        .unwrap_or_default();
+                    if let Some(current) = algorithms
+                        .split_whitespace()
+                        .find_map(|a| a.strip_prefix('[')?.strip_suffix(']'))
+                    {
+                        guard.push(Restore::Write(
+                            PathBuf::from(format!("{ZRAM}/comp_algorithm")),
+                            current.to_string(),
+                        ))?;
+                    }
+                    guard.push(Restore::Zram)?;
+                    zram = true;
+                }
+                Ok(_) => eprintln!(
+                    "memtide: {ZRAM_DEV} is in use; skipping the zram configurations"
+                ),
+            }
+        }
+        Ok(Pools {
+            zswap,
+            zram,
+            share,
+            zram_disk: disk.next_multiple_of(1 << 20),
+            total_ram: memtide_launch::preflight::machine_memory().max(1),
+            zram_on: None,
+        })
+    }
+
+    /// Whether configurations with `pool` run.
+    pub fn has(&self, pool: Pool) -> bool {
+        match pool {
+            Pool::None => true,
+            Pool::Zswap => self.zswap,
+            Pool::Zram => self.zram,
+        }
+    }
+
+    /// The DRAM a pool may take out of a budget of `budget` bytes (whole MiB); 0 for none.
+    pub fn cap(&self, pool: Pool, budget: u64) -> u64 {
+        match pool {
+            Pool::None => 0,
+            Pool::Zswap | Pool::Zram => ((budget as f64 * self.share) as u64) & !((1 << 20) - 1),
+        }
+    }
+
+    /// Switches on `pool` (and off the others) for a configuration with a budget of `budget`
+    /// bytes, over pages that compress about `ratio`:1.
+    ///
+    /// zram cannot be capped by the DRAM it takes: at its memory limit it refuses pages the
+    /// kernel keeps choosing it for, and reclaim spins (a run under a full zram device was
+    /// seen making no progress for minutes). So it is sized instead: it holds `ratio` times
+    /// the cap, uncompressed, and the kernel goes on to the swap file when it is full; what
+    /// its pool really took is measured ([`zram_peak`](Self::zram_peak)).
+    pub fn select(&mut self, pool: Pool, budget: u64, ratio: f64) -> Result<()> {
+        let cap = self.cap(pool, budget);
+        if self.zswap {
+            set_zswap(pool == Pool::Zswap)?;
+            if pool == Pool::Zswap {
+                // A percentage of all RAM: the nearest to the cap, at least 1.
+                let pct = ((cap as f64 * 100.0 / self.total_ram as f64).round() as u64).max(1);
+                std::fs::write(ZSWAP_MAX_POOL, pct.to_string())
+                    .context("cannot set zswap's max_pool_percent")?;
+            }
+        }
+        if self.zram {
+            let want = (pool == Pool::Zram).then(|| {
+                ((cap as f64 * ratio.max(1.0)) as u64)
+                    .min(self.zram_disk)
+                    .next_multiple_of(1 << 20)
+                    .max(16 << 20)
+            });
+            if self.zram_on != want {
+                if self.zram_on.is_some() {
+                    zram_off();
+                }
+                self.zram_on = None;
+                if let Some(disk) = want {
+                    let set = |file: &str, v: String| {
+                        std::fs::write(format!("{ZRAM}/{file}"), v)
+                            .with_context(|| format!("cannot set {ZRAM}/{file}"))
+                    };
+                    set("comp_algorithm", "lz4".into())?;
+                    set("disksize", disk.to_string())?;
+                    run_cmd(Command::new("mkswap").arg(ZRAM_DEV), "mkswap on zram")?;
+                    run_cmd(
+                        Command::new("swapon").args(["-p", "100", ZRAM_DEV]),
+                        "swapon zram",
+                    )?;
+                    self.zram_on = want;
+                }
+            }
+            if self.zram_on.is_some() {
+                // Each run's peak is its own.
+                let _ = std::fs::write(format!("{ZRAM}/mem_used_max"), "0");
+            }
+        }
+        Ok(())
+    }
+
+    /// The most DRAM zram's pool took since the last [`select`](Self::select) of it.
+    pub fn zram_peak(&self) -> Option<u64> {
+        self.zram_on?;
+        let stat = std::fs::read_to_string(format!("{ZRAM}/mm_stat")).ok()?;
+        stat.split_whitespace().nth(4)?.parse().ok()
+    }
+}
+
+/// Swaps the zram device off and empties it (as many tries as swap's).
+fn zram_off() {
+    for _ in 0..10 {
+        let on = std::fs::read_to_string("/proc/swaps").is_ok_and(|s| s.contains(ZRAM_DEV));
+        if !on {
+            break;
+        }
+        let _ = Command::new("swapoff").arg(ZRAM_DEV).output();
+        if std::fs::read_to_string("/proc/swaps").is_ok_and(|s| s.contains(ZRAM_DEV)) {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    let _ = std::fs::write(format!("{ZRAM}/reset"), "1");
 }

@@ -179,6 +179,7 @@ fn green_tenant(a: &Common, x: &TenantArgs, rate: f64, seed: u64) -> WorkloadArg
         threads: 1,
         rate,
         scan: false,
+        contents: crate::workload::Contents::default(),
         seed: 42 + seed,
     }
 }
@@ -531,6 +532,7 @@ pub fn noisy(a: &Common, x: &TenantArgs, host: &Host) -> Result<serde_json::Valu
         threads: 1,
         rate: 0.0,
         scan: true,
+        contents: crate::workload::Contents::default(),
         seed: 7,
     };
     let families = Family::all(host);

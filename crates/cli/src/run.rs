@@ -56,7 +56,7 @@ pub struct RunArgs {
     /// the default; `clock` is an older name) or `placement` (new pages on probation in a
     /// small FIFO queue, pages used again in a SIEVE queue; misses less on skewed workloads and
     /// keeps a hot set through a scan, at the cost of more hint faults). `memtide sim --policy`
-    /// replays each under the same name.
+    /// replays each under the same name (there, `clock` is the classic CLOCK, not the sweep).
     #[arg(long, value_parser = opts::eviction_policy, default_value = "sweep")]
     pub policy: memtide_engine::EvictionPolicy,
     /// Make the program a tenant of the host daemon (`memtide host`) at this socket (default
@@ -391,14 +391,15 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         let (events, dropped) = write_trace(&stats_dir.0, p)
             .with_context(|| format!("cannot write the recording to {}", p.display()))?;
         eprintln!(
-            "memtide: recorded {events} pages brought into DRAM to {}{}; replay: memtide sim --trace {} --dram SIZES --policy sweep",
+            "memtide: recorded {events} pages brought into DRAM to {}{}; replay: memtide sim --trace {} --dram SIZES --policy {}",
             p.display(),
             if dropped > 0 {
                 format!(" ({dropped} more lost: the recording fell behind)")
             } else {
                 String::new()
             },
-            p.display()
+            p.display(),
+            a.policy.name()
         );
     }
     if !a.quiet && !pinned {

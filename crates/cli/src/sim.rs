@@ -255,7 +255,9 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
             );
         }
     }
-    policies.dedup();
+    // Once each, in the order given (an older name and its new one are the same policy).
+    let mut seen = std::collections::HashSet::new();
+    policies.retain(|p| seen.insert(p.clone()));
     let lat = latency(&a)?;
     // `placement` and `sweep` model the engine, which takes no quota under 64 KiB.
     let engine_modelled = |p: &str| p == "placement" || p == "sweep";

@@ -1,5 +1,5 @@
 //! `memtide bench`, one short run of each experiment: every configuration (all-DRAM, memtide,
-//! Linux swap, zswap where the kernel has it) at every workload, thread count, tenant and guest count
+//! Linux swap, zswap and zram where the kernel has them) at every workload, thread count, tenant and guest count
 //! appears in the report, every finished run verified its data, the plots are written, and
 //! every system setting the bench changed is back as it was.
 
@@ -34,12 +34,31 @@ fn swaps() -> String {
     std::fs::read_to_string("/proc/swaps").unwrap_or_default()
 }
 
+/// Whether the kernel has a zram device the bench may use (present, not set up).
+fn zram_free() -> bool {
+    std::fs::read_to_string("/sys/block/zram0/initstate").is_ok_and(|s| s.trim() == "0")
+}
+
+/// The settings of the compressed pools a bench may change.
+fn pool_settings() -> Vec<Option<String>> {
+    [
+        "/sys/module/zswap/parameters/max_pool_percent",
+        "/sys/block/zram0/initstate",
+        "/sys/block/zram0/comp_algorithm",
+        "/sys/block/zram0/disksize",
+    ]
+    .iter()
+    .map(|f| std::fs::read_to_string(f).ok())
+    .collect()
+}
+
 #[test]
 fn short_microbenchmark_reports_every_configuration() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let s = Scratch::new("bench");
     let zswap = std::fs::read_to_string("/sys/module/zswap/parameters/enabled").ok();
     let swaps_before = swaps();
+    let pools_before = pool_settings();
     let (_, v) = run_bench(
         &s,
         &[
@@ -57,12 +76,17 @@ fn short_microbenchmark_reports_every_configuration() {
             "0.5",
             "--reps",
             "1",
+            "--contents",
+            "2x",
         ],
     );
     let v = &v["micro"];
     let mut configs = vec!["all-DRAM", "memtide 50%", "Linux swap 50%"];
     if zswap.is_some() {
         configs.push("zswap 50%");
+    }
+    if zram_free() {
+        configs.push("zram 50%");
     }
     let rows = v["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 2 * 2 * configs.len(), "{rows:?}");
@@ -97,15 +121,26 @@ fn short_microbenchmark_reports_every_configuration() {
         let svg = std::fs::read_to_string(s.path().join(format!("plot-{w}.svg"))).unwrap();
         assert!(svg.contains("memtide, 1 thr") && svg.contains("Linux swap, 2 thr"));
     }
-    assert_restored(&zswap, &swaps_before, s.path());
+    assert_restored(&zswap, pools_before, &swaps_before, s.path());
 }
 
-/// Every setting a bench changed is back: zswap as it was, no swap file left on, no file
+/// Every setting a bench changed is back: zswap and zram as they were, no swap file left on, no file
 /// left in the tier directory, no cgroup left behind.
-fn assert_restored(zswap: &Option<String>, swaps_before: &str, tier: &std::path::Path) {
+fn assert_restored(
+    zswap: &Option<String>,
+    pools_before: Vec<Option<String>>,
+    swaps_before: &str,
+    tier: &std::path::Path,
+) {
     assert_eq!(
         &std::fs::read_to_string("/sys/module/zswap/parameters/enabled").ok(),
         zswap
+    );
+    // zswap's pool cap as it was; zram, found unused, reset to how it was found.
+    assert_eq!(
+        pool_settings(),
+        pools_before,
+        "the compressed pools' settings are back"
     );
     assert_eq!(swaps(), swaps_before);
     let left: Vec<_> = std::fs::read_dir(tier)
@@ -198,6 +233,7 @@ fn short_density_and_noisy_neighbour_runs_report_every_tenant() {
     let s = Scratch::new("benchtenants");
     let zswap = std::fs::read_to_string("/sys/module/zswap/parameters/enabled").ok();
     let swaps_before = swaps();
+    let pools_before = pool_settings();
     let (out, v) = run_bench(
         &s,
         &[
@@ -304,7 +340,7 @@ fn short_density_and_noisy_neighbour_runs_report_every_tenant() {
             }
         }
     }
-    assert_restored(&zswap, &swaps_before, s.path());
+    assert_restored(&zswap, pools_before, &swaps_before, s.path());
 }
 
 #[test]
@@ -315,6 +351,7 @@ fn short_vm_density_run_reports_every_guest() {
     let s = Scratch::new("benchvms");
     let zswap = std::fs::read_to_string("/sys/module/zswap/parameters/enabled").ok();
     let swaps_before = swaps();
+    let pools_before = pool_settings();
     let (out, v) = run_bench(
         &s,
         &[
@@ -435,5 +472,5 @@ fn short_vm_density_run_reports_every_guest() {
     for c in &configs[1..] {
         assert!(svg.contains(c), "{c} not in the plot");
     }
-    assert_restored(&zswap, &swaps_before, s.path());
+    assert_restored(&zswap, pools_before, &swaps_before, s.path());
 }

@@ -462,3 +462,40 @@ fn corpus_compares_memtide_with_the_best_online_policy_on_every_row() {
         "{out}"
     );
 }
+
+/// The policies' older names (`memtide-v1`, `memtide`, `memtide-exact`) still replay them:
+/// each under its one name, once however many spellings are given, with the misses of a
+/// replay by the new names.
+#[test]
+fn older_policy_names_replay_the_same_policies_once() {
+    let s = Scratch::new("simnames");
+    let spec = "zipf:footprint=64MiB,skew=0.9,accesses=300K";
+    let outcomes = |name: &str, policies: &str| -> Vec<(String, u64)> {
+        let (_, v) = sim_json(
+            &s,
+            name,
+            &["--workload", spec, "--dram", "25%", "--policy", policies],
+        );
+        v["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                (
+                    r["outcome"]["policy"].as_str().unwrap().to_string(),
+                    r["outcome"]["misses"].as_u64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    let new = outcomes("new", "sweep,placement,placement-exact");
+    let old = outcomes(
+        "old",
+        "memtide-v1,sweep,memtide,placement,memtide-exact,placement-exact",
+    );
+    assert_eq!(
+        new.iter().map(|(p, _)| p.as_str()).collect::<Vec<_>>(),
+        ["sweep", "placement", "placement-exact"]
+    );
+    assert_eq!(old, new);
+}

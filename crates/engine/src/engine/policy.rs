@@ -38,7 +38,8 @@ impl EvictionPolicy {
         }
     }
 
-    /// The policy of that name, or of an older spelling of it (`clock`).
+    /// The policy of that name, or of an older spelling of it (`clock`; the simulator keeps
+    /// that name for the classic CLOCK, so it replays this policy only as `sweep`).
     pub fn from_name(name: &str) -> Option<EvictionPolicy> {
         match name {
             "sweep" | "clock" => Some(EvictionPolicy::Sweep),
@@ -101,4 +102,21 @@ pub(super) trait Evictor: Send {
         writing: &mut Vec<(usize, u32)>,
         new_epoch: bool,
     ) -> Relief;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::EvictionPolicy;
+
+    #[test]
+    fn every_policy_goes_by_its_name_and_clock_is_the_sweep() {
+        for p in EvictionPolicy::ALL {
+            assert_eq!(EvictionPolicy::from_name(p.name()), Some(p));
+        }
+        assert_eq!(
+            EvictionPolicy::from_name("clock"),
+            Some(EvictionPolicy::Sweep)
+        );
+        assert_eq!(EvictionPolicy::from_name("lru"), None);
+    }
 }
