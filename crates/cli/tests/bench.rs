@@ -184,6 +184,7 @@ fn short_memcached_and_redis_runs_verify_every_get() {
             "--reps",
             "1",
             "--no-zswap",
+            "--no-zram",
         ],
     );
     for server in ["memcached", "redis"] {
