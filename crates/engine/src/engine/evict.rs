@@ -54,14 +54,14 @@ impl Engine {
                 Counters::bump(&self.counters.epochs);
             }
             let ecpu0 = sys::thread_cpu_ns();
-            if self.tier_reclaim.swap(false, Ordering::AcqRel)
-                || (new_epoch && self.slots().needs_reclaim())
+            if self.file.reclaim.swap(false, Ordering::AcqRel)
+                || (new_epoch && self.file.slots().needs_reclaim())
             {
                 self.reclaim_tier(Watermarks::MAX_BATCH * 4);
             }
-            if self.tier_full.load(Ordering::Acquire) && (new_epoch || self.tier_has_room()) {
+            if self.file.full.load(Ordering::Acquire) && (new_epoch || self.tier_has_room()) {
                 // Try again: the program freed slots, or the filesystem may have room now.
-                self.tier_full.store(false, Ordering::Release);
+                self.file.full.store(false, Ordering::Release);
             }
             if !self.detached.load(Ordering::Acquire) && self.tier_usable() {
                 match evictor.relieve(self, &mut writing, new_epoch) {
@@ -106,12 +106,12 @@ impl Engine {
 
     /// Whether eviction can write to tier 1 now.
     fn tier_usable(&self) -> bool {
-        !self.tier_failed.load(Ordering::Acquire) && !self.tier_full.load(Ordering::Acquire)
+        self.file.usable()
     }
 
     /// Whether tier 1 has free slots within its limit (after it was found full).
     fn tier_has_room(&self) -> bool {
-        self.slots().has_room()
+        self.file.slots().has_room()
     }
 
     /// Brings tier 1 within its limit (and, when it was found full, makes `room` free slots
@@ -123,8 +123,8 @@ impl Engine {
     /// Returns the slots freed.
     fn reclaim_tier(&self, room: u64) -> u64 {
         let (limit, len, mut in_use, target) = {
-            let s = self.slots();
-            let short = if self.tier_full.load(Ordering::Acquire) {
+            let s = self.file.slots();
+            let short = if self.file.full.load(Ordering::Acquire) {
                 room.saturating_sub(s.limit().min(s.len()).saturating_sub(s.in_use()))
             } else {
                 0
@@ -139,7 +139,7 @@ impl Engine {
         let mut freed: Vec<u64> = Vec::new();
         let mut movers: Vec<usize> = Vec::new();
         // A tier that failed is read only by faults, never rewritten.
-        let may_move = !self.tier_failed.load(Ordering::Acquire);
+        let may_move = !self.file.failed.load(Ordering::Acquire);
         let hw = self.high_water.load(Ordering::Acquire);
         for i in 0..hw {
             if in_use <= target && len <= limit {
@@ -169,7 +169,7 @@ impl Engine {
             self.pt.publish(i, st, None);
         }
         {
-            let mut slots = self.slots();
+            let mut slots = self.file.slots();
             for &s in &freed {
                 slots.free(s);
             }
@@ -177,10 +177,10 @@ impl Engine {
         if !movers.is_empty() {
             self.relocate(&movers);
         }
-        let mut slots = self.slots();
+        let mut slots = self.file.slots();
         if let Some(to) = slots.shrink_to() {
             // The map stays locked: no slot is allocated above `to` meanwhile.
-            if self.tier.shrink(to).is_ok() {
+            if self.file.backend.shrink(to).is_ok() {
                 slots.shrunk(to);
             }
         }
@@ -195,30 +195,30 @@ impl Engine {
     /// page keeps its old slot (nothing is lost; the next epoch tries again). An encrypted
     /// tier seals the copy again for its new slot. Returns the pages moved.
     fn relocate(&self, pages: &[usize]) -> u64 {
-        let mut buf = self.bounce.take();
+        let mut buf = self.file.bounce.take();
         let mut moved = 0;
         for &i in pages {
             // Below the limit, even when as many slots are in use as it allows: the old slot
             // goes back once the copy has moved.
-            let Some(new) = self.slots().take_below_limit() else {
+            let Some(new) = self.file.slots().take_below_limit() else {
                 break;
             };
             // Claimed, the page cannot be faulted in or freed while its copy moves (a fault
             // waits for it).
             if self.pt.claim(i, State::Evicted, false).is_none() {
-                self.slots().free(new);
+                self.file.slots().free(new);
                 continue;
             }
             let Some(old) = self.pt.slot(i) else {
-                self.slots().free(new);
+                self.file.slots().free(new);
                 self.pt.publish(i, State::Evicted, None);
                 continue;
             };
             // SAFETY: `buf` is a bounce buffer of READAHEAD pages that this thread holds.
-            let ok = match unsafe { self.tier.read(old, 1, buf as *mut u8) } {
+            let ok = match unsafe { self.file.backend.read(old, 1, buf as *mut u8) } {
                 Ok(()) if self.matches_tier_copy(i, buf) => {
                     // SAFETY: `buf` holds one page just read.
-                    unsafe { self.tier.write(new, &[buf]) }.is_ok()
+                    unsafe { self.file.backend.write(new, &[buf]) }.is_ok()
                 }
                 Ok(()) => {
                     Counters::bump(&self.counters.tier_read_mismatches);
@@ -230,7 +230,7 @@ impl Engine {
                 }
             };
             {
-                let mut s = self.slots();
+                let mut s = self.file.slots();
                 if ok {
                     self.pt.set_slot(i, Some(new));
                     s.free(old);
@@ -243,7 +243,7 @@ impl Engine {
             }
             self.pt.publish(i, State::Evicted, None);
         }
-        self.bounce.give(buf);
+        self.file.bounce.give(buf);
         Counters::add(&self.counters.tier_copies_moved, moved);
         moved
     }
@@ -365,7 +365,7 @@ impl Engine {
     fn handle_unmovable(&self, p: usize) {
         if self.presence(self.addr_of(p)) == sys::Presence::Absent {
             if let Some(s) = self.pt.slot(p) {
-                self.slots().free(s);
+                self.file.slots().free(s);
                 self.pt.set_slot(p, None);
             }
             self.quota.unreserve(1);
@@ -496,7 +496,7 @@ impl Engine {
         }
         // Publish: written and clean pages are evicted; zero pages drop their tier copy.
         {
-            let mut slots = self.slots();
+            let mut slots = self.file.slots();
             for &p in &gone {
                 if let Some(s) = self.pt.slot(p) {
                     slots.free(s);
@@ -545,9 +545,11 @@ impl Engine {
         let mut k = 0;
         let mut full = false;
         {
-            let mut slots = self.slots();
+            let mut slots = self.file.slots();
             while k < dirty.len() {
-                match slots.alloc_run((dirty.len() - k) as u64, |n| self.tier.grow(n).is_ok()) {
+                match slots.alloc_run((dirty.len() - k) as u64, |n| {
+                    self.file.backend.grow(n).is_ok()
+                }) {
                     Some((first, n)) => {
                         runs.push((first, k, n as usize));
                         k += n as usize;
@@ -572,9 +574,9 @@ impl Engine {
             Ok(())
         } else {
             // SAFETY: every address is a mapped staging page owned by us (Writing).
-            unsafe { self.tier.write_runs(&io) }
+            unsafe { self.file.backend.write_runs(&io) }
         };
-        let mut slots = self.slots();
+        let mut slots = self.file.slots();
         match res {
             Ok(()) => {
                 Counters::add(
@@ -603,7 +605,7 @@ impl Engine {
                 self.warn(format!(
                     "writing to tier 1 failed ({e}); keeping further pages in DRAM"
                 ));
-                self.tier_failed.store(true, Ordering::Release);
+                self.file.failed.store(true, Ordering::Release);
                 self.keep_in_dram(dirty, failed);
                 return;
             }
@@ -612,11 +614,11 @@ impl Engine {
         if full {
             self.warn(format!(
                 "tier 1 is full or cannot grow ({}); keeping further pages in DRAM until it has room",
-                self.tier.describe()
+                self.file.backend.describe()
             ));
-            self.tier_full.store(true, Ordering::Release);
+            self.file.full.store(true, Ordering::Release);
             // Tier copies of pages also in DRAM can make room for more evictions.
-            self.tier_reclaim.store(true, Ordering::Release);
+            self.file.reclaim.store(true, Ordering::Release);
             self.keep_in_dram(&dirty[written..], failed);
         }
     }

@@ -431,12 +431,12 @@ impl Engine {
     /// slot: the only copy of its data cannot be read back as it was written, and wrong bytes
     /// are never served.
     fn read_verified(&self, p: usize, slot: u64, n: usize) -> (usize, usize) {
-        let mut buf = self.bounce.take();
+        let mut buf = self.file.bounce.take();
         let mut tries = 0;
         loop {
             let r0 = sys::now_ns();
             // SAFETY: `buf` is a bounce buffer of READAHEAD pages owned by this call.
-            let failure = match unsafe { self.tier.read(slot, n, buf as *mut u8) } {
+            let failure = match unsafe { self.file.backend.read(slot, n, buf as *mut u8) } {
                 Ok(()) => {
                     self.counters.tier_read_latency.record(sys::now_ns() - r0);
                     let good = (0..n)
@@ -491,8 +491,8 @@ impl Engine {
     pub(super) fn read_failed(&self, buf: &mut usize, e: &crate::tier::ReadError) {
         Counters::bump(&self.counters.tier_errors);
         if e.buffer_lost {
-            self.bounce.retire(*buf);
-            *buf = self.bounce.take();
+            self.file.bounce.retire(*buf);
+            *buf = self.file.bounce.take();
         }
     }
 
@@ -510,7 +510,7 @@ impl Engine {
         // (one page gap allowed): none for the first two (an object spanning two pages is
         // not a stream), then 2, 4, 8, 16 pages; the first reads the next page too while
         // pairs are common.
-        let (window, pair) = self.sequential.window(p);
+        let (window, pair) = self.file.sequential.window(p);
         self.reserve(1);
         let Some(old) = self.pt.claim(p, State::Evicted, false) else {
             self.quota.unreserve(1);
@@ -549,7 +549,7 @@ impl Engine {
                 n += 1;
             }
         }
-        let (by_slot, by_slot_only) = self.sequential.follows(p, slot);
+        let (by_slot, by_slot_only) = self.file.sequential.follows(p, slot);
         Counters::add(&self.counters.faults_tier_slot_follows, by_slot as u64);
         Counters::add(
             &self.counters.faults_tier_slot_follows_only,
@@ -558,7 +558,7 @@ impl Engine {
         let (buf, n) = self.read_verified(p, slot, n);
         // SAFETY: buf holds n pages just read; pages p..p+n are ours (Busy) and missing.
         unsafe { self.fill(p, buf, n, false, "mapping a fetched page failed") };
-        self.bounce.give(buf);
+        self.file.bounce.give(buf);
         for i in 0..n {
             let h = if i == 0 {
                 old.history().touch()
@@ -567,7 +567,9 @@ impl Engine {
             };
             self.pt.publish(p + i, State::Mapped, Some(h));
         }
-        self.sequential.ended_at(p + n - 1, slot + n as u64 - 1);
+        self.file
+            .sequential
+            .ended_at(p + n - 1, slot + n as u64 - 1);
         self.note(p, Event::TierFault);
         for q in p..p + n {
             self.arrived(q);

@@ -5,7 +5,8 @@
 //! interface in `policy.rs`: the CLOCK sweep in `evict.rs`, placement in `place.rs`), and the program's own memory calls
 //! (`region.rs`: free, discard, mremap, mprotect, pins, fork), and the sampled estimate of
 //! active memory (`active.rs`, run by the evictor). Small shared pieces have files of their
-//! own: the staging ring (`ring.rs`), the DRAM quota (`quota.rs`, changeable at run time) and
+//! own: the staging ring (`ring.rs`), a level below DRAM with its slots and state (`store.rs`:
+//! tier 1, the file), the DRAM quota (`quota.rs`, changeable at run time) and
 //! the fatal stop (`fatal.rs`). This file holds the engine object, its start and its reports. Entry
 //! points: [`Engine::start`], [`Engine::alloc`], [`Engine::handle_fault`].
 //!
@@ -44,6 +45,7 @@ mod quota;
 mod record;
 mod region;
 mod ring;
+mod store;
 
 use std::io;
 use std::path::PathBuf;
@@ -61,16 +63,17 @@ use crate::signal::FaultHandler;
 use crate::stats::{Counters, Snapshot};
 use crate::sys::{self, Mapping};
 use crate::threads::SchedStat;
-use crate::tier::{self, Backend, Encrypted, Faulty, FileTier, SlotMap, TierFaults, TierOpenError};
+use crate::tier::{self, Encrypted, Faulty, FileTier, SlotMap, TierFaults, TierOpenError};
 use crate::uffd::{Delivery, MoveReport, OpenError, Uffd};
 pub use policy::EvictionPolicy;
 
-use fault::{BouncePool, SequentialRun};
+use fault::BouncePool;
 use place::Arrivals;
 use quota::{Doorbell, Quota};
 pub use record::Event;
 use record::Recorder;
 use ring::StagingRing;
+use store::Store;
 
 pub use region::Pinned;
 
@@ -176,25 +179,17 @@ pub struct Engine {
     ring: StagingRing,
     pt: PageTable,
     uffd: Uffd,
-    tier: Box<dyn Backend>,
-    slots: Mutex<SlotMap>,
+    /// Tier 1: the file, the one level below DRAM today.
+    file: Store,
     ranges: Mutex<RangeAlloc>,
     high_water: AtomicUsize,
     zero: Mapping,
     /// Where the page tables say pages are (read after every failed move).
     pagemap: sys::Pagemap,
-    bounce: BouncePool,
     quota: Quota,
     /// Wakes the evictor early.
     bell: Doorbell,
     epoch_ns: u64,
-    /// Set when writing to tier 1 failed: eviction stops for good, data stays in DRAM.
-    tier_failed: AtomicBool,
-    /// Set when tier 1 is full: eviction pauses until slots are freed or an epoch passes.
-    tier_full: AtomicBool,
-    /// Asks the evictor to bring tier 1 within its limit or make room in it (the limit was
-    /// lowered, or the tier filled up): see `reclaim_tier`.
-    tier_reclaim: AtomicBool,
     /// Set after `fork` fallback: memory is all in DRAM and no longer registered.
     detached: AtomicBool,
     /// Whether the arena and staging area are locked in DRAM (see `start`).
@@ -203,8 +198,6 @@ pub struct Engine {
     pause: AtomicBool,
     /// Set by the evictor once it has seen `pause` and stopped.
     parked: AtomicBool,
-    /// Where tier reads ended, for read-ahead.
-    sequential: SequentialRun,
     /// The error the kernel gave with the latest move that moved more than it reported.
     underreport_errno: AtomicI32,
     pub counters: Counters,
@@ -287,24 +280,22 @@ impl Engine {
         let engine = Box::leak(Box::new(Engine {
             ring,
             pt: PageTable::new(arena_pages).map_err(io_err("map the page table"))?,
-            tier,
-            slots: Mutex::new(SlotMap::new(tier_limit, tier_cap)),
+            file: Store::new(
+                tier,
+                SlotMap::new(tier_limit, tier_cap),
+                BouncePool::new().map_err(io_err("map bounce buffers"))?,
+            ),
             ranges: Mutex::new(RangeAlloc::new(arena_pages)),
             high_water: AtomicUsize::new(0),
             zero: Mapping::anon(ZERO_CHUNK * PAGE_SIZE).map_err(io_err("map zeros"))?,
             pagemap: sys::Pagemap::open().map_err(io_err("open /proc/self/pagemap"))?,
-            bounce: BouncePool::new().map_err(io_err("map bounce buffers"))?,
             quota: Quota::new(quota_pages),
             bell: Doorbell::default(),
             epoch_ns: cfg.epoch_ms.max(1) * 1_000_000,
-            tier_failed: AtomicBool::new(false),
-            tier_full: AtomicBool::new(false),
-            tier_reclaim: AtomicBool::new(false),
             detached: AtomicBool::new(false),
             locked: AtomicBool::new(locked),
             pause: AtomicBool::new(false),
             parked: AtomicBool::new(false),
-            sequential: SequentialRun::new(),
             underreport_errno: AtomicI32::new(0),
             counters: Counters::default(),
             inject: Inject::default(),
@@ -328,7 +319,7 @@ impl Engine {
         if !engine.locked.load(Ordering::Acquire) && swap_on {
             engine.warn("cannot lock managed memory in DRAM (needs CAP_IPC_LOCK or a larger RLIMIT_MEMLOCK) and swap is on: Linux may swap managed pages out; memtide leaves those alone until they are touched".into());
         }
-        if !engine.tier.direct() {
+        if !engine.file.backend.direct() {
             engine.warn(format!(
                 "tier {} does not support O_DIRECT; using buffered I/O (tier reads may be served from the page cache)",
                 cfg.tier_path.display()
@@ -369,12 +360,6 @@ impl Engine {
 
     fn addr_of(&self, page: usize) -> usize {
         self.arena.addr() + page * PAGE_SIZE
-    }
-
-    /// The tier slot map. A panic while it was held cannot leave it inconsistent (every update
-    /// is one bitmap change and its counter), so a poisoned lock is taken as is.
-    fn slots(&self) -> std::sync::MutexGuard<'_, SlotMap> {
-        self.slots.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// For tests: the points where a thread can be held (see [`Inject`]).
@@ -434,7 +419,7 @@ impl Engine {
 
     /// The most bytes tier 1 may hold now.
     pub fn tier_limit_bytes(&self) -> u64 {
-        self.slots().limit() * PAGE_SIZE as u64
+        self.file.slots().limit() * PAGE_SIZE as u64
     }
 
     /// Sets how much tier 1 may hold from now on (a host daemon's share of its tier capacity),
@@ -445,8 +430,8 @@ impl Engine {
     /// only in tier 1 fill the limit, eviction stops and the program holds DRAM above its quota
     /// rather than lose a page.
     pub fn set_tier_bytes(&self, bytes: u64) -> u64 {
-        let limit = self.slots().set_limit(bytes / PAGE_SIZE as u64);
-        self.tier_reclaim.store(true, Ordering::Release);
+        let limit = self.file.slots().set_limit(bytes / PAGE_SIZE as u64);
+        self.file.reclaim.store(true, Ordering::Release);
         self.bell.ring_always();
         limit * PAGE_SIZE as u64
     }
@@ -502,7 +487,7 @@ impl Engine {
         let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let page = PAGE_SIZE as u64;
         let (tier_pages, tier_file_pages, tier_limit_pages) = {
-            let s = self.slots();
+            let s = self.file.slots();
             (s.in_use(), s.len(), s.limit())
         };
         let status = StatusMemory::read();
@@ -584,7 +569,7 @@ impl Engine {
             epochs: r(&c.epochs),
             scan_cpu_seconds: r(&c.scan_cpu_ns) as f64 / 1e9,
             evict_cpu_seconds: r(&c.evict_cpu_ns) as f64 / 1e9,
-            tier: self.tier.describe(),
+            tier: self.file.backend.describe(),
             faults: self.uffd.delivery().name().into(),
             warnings: self.warnings.lock().map(|w| w.clone()).unwrap_or_default(),
         }

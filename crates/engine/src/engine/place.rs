@@ -220,8 +220,8 @@ impl Engine {
                 for &p in &pl.failed {
                     pl.placement.arrived(p);
                 }
-                if self.tier_failed.load(Ordering::Acquire)
-                    || self.tier_full.load(Ordering::Acquire)
+                if self.file.failed.load(Ordering::Acquire)
+                    || self.file.full.load(Ordering::Acquire)
                     || self.pause.load(Ordering::Acquire)
                 {
                     return Relief::Stopped;

@@ -81,7 +81,7 @@ impl Engine {
     fn drop_contents(&self, taken: &[(usize, State)]) {
         let mut mapped = 0u64;
         {
-            let mut slots = self.slots();
+            let mut slots = self.file.slots();
             for &(i, st) in taken {
                 match st {
                     State::Mapped => mapped += 1,
@@ -575,7 +575,7 @@ impl Engine {
                     // Zapped behind our back: it reads as zeros, at its new address too.
                     taken[start + d].1 = State::Unpopulated;
                     if let Some(s) = self.pt.slot(q) {
-                        self.slots().free(s);
+                        self.file.slots().free(s);
                         self.pt.set_slot(q, None);
                     }
                     self.quota.unreserve(1);
