@@ -34,6 +34,11 @@ pub struct KvArgs {
     /// Bytes per value for memcached and redis.
     #[arg(long, default_value_t = 4000)]
     pub value_bytes: usize,
+    /// What the values hold: `letters` (random lowercase letters: lz4 finds nothing to
+    /// shrink), `text` (English words), `json` (JSON records of a user table). Every get is
+    /// checked against it.
+    #[arg(long, value_enum, default_value = "letters")]
+    pub values: Values,
 }
 
 impl KvArgs {
@@ -133,17 +138,90 @@ fn memcached_hashpower(keys: u64) -> u32 {
     (keys.max(1).next_power_of_two().trailing_zeros()).clamp(16, 32)
 }
 
-/// The value stored under key `k`: bytes derived from `k`, so that every get can be checked.
-fn value(k: u64, len: usize) -> Vec<u8> {
+/// What the values hold, named by what they look like.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Values {
+    /// Random lowercase letters.
+    #[default]
+    Letters,
+    /// English words separated by spaces, as text stored in a cache.
+    Text,
+    /// JSON records of a user table: ids, names, e-mail addresses, flags, timestamps.
+    Json,
+}
+
+impl Values {
+    pub fn name(self) -> &'static str {
+        match self {
+            Values::Letters => "letters",
+            Values::Text => "text",
+            Values::Json => "json",
+        }
+    }
+
+    /// About how much lz4 shrinks a 4 KiB page of such values (for sizing zram; measured on
+    /// pages of 4,000-byte values: letters 1.0, text 1.87, json 2.91).
+    pub fn lz4_ratio(self) -> f64 {
+        match self {
+            Values::Letters => 1.0,
+            Values::Text => 1.85,
+            Values::Json => 2.9,
+        }
+    }
+}
+
+const WORDS: [&str; 32] = [
+    "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by",
+    "on", "not", "this", "are", "from", "at", "which", "have", "an", "they", "were", "their",
+    "one", "all", "order", "account", "status", "update",
+];
+const NAMES: [&str; 16] = [
+    "alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi", "ivan", "judy", "mallory",
+    "niaj", "olivia", "peggy", "rupert", "sybil",
+];
+
+/// The value stored under key `k`: `len` bytes derived from `k` as `kind` says, so that every
+/// get can be checked.
+fn value(k: u64, len: usize, kind: Values) -> Vec<u8> {
     let mut x = k.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            b'a' + (x % 26) as u8
-        })
-        .collect()
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let mut v = Vec::with_capacity(len + 160);
+    match kind {
+        Values::Letters => v.extend((0..len).map(|_| b'a' + (next() % 26) as u8)),
+        Values::Text => {
+            while v.len() < len {
+                v.extend_from_slice(WORDS[(next() % 32) as usize].as_bytes());
+                v.push(b' ');
+            }
+        }
+        Values::Json => {
+            v.push(b'[');
+            let mut id = k * 1000;
+            while v.len() < len {
+                let r = next();
+                let name = NAMES[(r % 16) as usize];
+                id += 1 + (r >> 60);
+                let record = format!(
+                    "{{\"id\":{id},\"name\":\"{name}\",\"email\":\"{name}.{}@example.com\",\"active\":{},\"score\":{},\"created\":\"2026-{:02}-{:02}T{:02}:{:02}:00Z\"}},",
+                    (r >> 8) % 10_000,
+                    (r >> 20) % 2 == 0,
+                    (r >> 24) % 1000,
+                    1 + (r >> 34) % 12,
+                    1 + (r >> 38) % 28,
+                    (r >> 43) % 24,
+                    (r >> 48) % 60,
+                );
+                v.extend_from_slice(record.as_bytes());
+            }
+        }
+    }
+    v.truncate(len);
+    v
 }
 
 fn key(k: u64) -> String {
@@ -209,10 +287,10 @@ impl Conn {
     }
 
     /// Sets several keys in one write, then reads the replies.
-    fn set_many(&mut self, keys: &[u64], len: usize) -> Result<()> {
+    fn set_many(&mut self, keys: &[u64], len: usize, kind: Values) -> Result<()> {
         let mut out = Vec::new();
         for &k in keys {
-            self.set_cmd(&key(k), &value(k, len), &mut out);
+            self.set_cmd(&key(k), &value(k, len, kind), &mut out);
         }
         self.w.write_all(&out)?;
         for _ in keys {
@@ -394,7 +472,7 @@ fn one_run(
                     let mut k = c * 32;
                     while k < keys {
                         let batch: Vec<u64> = (k..(k + 32).min(keys)).collect();
-                        conn.set_many(&batch, x.value_bytes)?;
+                        conn.set_many(&batch, x.value_bytes, x.values)?;
                         loaded.fetch_add(batch.len() as u64, Ordering::Relaxed);
                         k += 32 * x.clients as u64;
                     }
@@ -440,12 +518,12 @@ fn one_run(
                             if !conn.get(k, &mut buf)? {
                                 bail!("key {k} is missing: the server lost it");
                             }
-                            if buf != value(k, x.value_bytes) {
+                            if buf != value(k, x.value_bytes, x.values) {
                                 bail!("key {k} read back a wrong value: data corrupted");
                             }
                             verified += 1;
                         } else {
-                            conn.set_many(&[k], x.value_bytes)?;
+                            conn.set_many(&[k], x.value_bytes, x.values)?;
                         }
                         if measuring.load(Ordering::Relaxed) {
                             lat.push(t.elapsed().as_nanos().min(u32::MAX as u128) as u32);
@@ -543,8 +621,7 @@ pub fn run(
                     bail!("interrupted; settings restored");
                 }
                 let budget_b = crate::lab::budget_bytes(a.footprint, budget * 100.0);
-                // Values are sized, not shaped for a compressor: zram holds its cap's worth.
-                pools.select(*pool, budget_b, 1.0)?;
+                pools.select(*pool, budget_b, x.values.lz4_ratio())?;
                 let label = format!(
                     "{} {} zipf {skew} {name}",
                     crate::report::step_label(records.len(), total, started),
@@ -682,6 +759,7 @@ pub fn run(
     .write(&path)?;
     Ok(serde_json::json!({
         "value_bytes": x.value_bytes,
+        "values": x.values.name(),
         "clients": x.clients,
         "skews": x.skews,
         "seconds": a.seconds,
