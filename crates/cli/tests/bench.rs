@@ -185,6 +185,8 @@ fn short_memcached_and_redis_runs_verify_every_get() {
             "1",
             "--no-zswap",
             "--no-zram",
+            "--values",
+            "json",
         ],
     );
     for server in ["memcached", "redis"] {
