@@ -1,17 +1,21 @@
 //! Tier-1 backends: where evicted pages live. One trait, one file per backend (the file with
 //! O_DIRECT through plain system calls, and the same file through io_uring), and layers in
-//! front of one (encryption; injected faults for tests). Slots are page-sized and numbered from 0; the engine's
-//! [`SlotMap`] decides which slots are free. Entry points: [`Backend`], [`FileTier`].
+//! front of one (encryption; injected faults for tests). Slots are page-sized and numbered
+//! from 0; the engine's [`SlotMap`] decides which slots are free. Beside them, the compressed
+//! pool ([`Pool`]), the level to come between DRAM and the file. Entry points: [`Backend`],
+//! [`FileTier`], [`Pool`].
 
 mod encrypted;
 mod faulty;
 mod file;
+mod pool;
 mod slots;
 mod uring;
 
 pub use encrypted::Encrypted;
 pub use faulty::{Faulty, TierFaults};
 pub use file::{FileTier, TierOpenError};
+pub use pool::{Corrupt, Handle, Pool, PoolStats, Stored, MAX_OBJECT};
 pub use slots::SlotMap;
 pub use uring::{best, UringTier};
 

@@ -1,0 +1,453 @@
+//! The compressed pool: pages kept in DRAM compressed with LZ4, packed by size class into
+//! chunks of contiguous memory (as zsmalloc packs zspages), for the compressed level that is
+//! to sit between DRAM and the file. A page whose eight-byte words are all the same is kept
+//! as that word alone ([`Stored::Same`]); one that compresses worse than [`MAX_OBJECT`] is
+//! refused ([`Stored::TooBig`]) and belongs in the file.
+//!
+//! Not wired into the engine yet: the engine's levels (`engine/store.rs`) come first. What is
+//! here is the pool's own contract, tested on its own. Entry point: [`Pool`].
+//!
+//! # Layout
+//!
+//! One anonymous mapping, reserved whole at the start (address space only), cut into chunk
+//! slots of four pages. A size class holds objects of up to `size` bytes (a multiple of 64, the
+//! first two bytes of each object its compressed length); its chunks use the first 1–4 pages
+//! of their slot, whichever wastes least (the rest of the slot is address space only), and
+//! objects may straddle the pages of a chunk. A chunk whose last object is freed gives its
+//! DRAM back at once and its slot goes to the free list.
+//!
+//! # Concurrency
+//!
+//! `store` and `free` take the pool's lock. `load` takes none and allocates nothing, so that a
+//! fault path (a signal handler among them) may call it: where a chunk is follows from its
+//! number, and its class is an atomic set before any object of it is handed out. The caller
+//! must hold the object (the engine's page is claimed while it loads), so no `free` of it can
+//! run meanwhile, and a chunk is only reused once every object in it was freed.
+
+use std::io;
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::Mutex;
+
+use crate::sys::{self, Mapping};
+
+const PAGE: usize = 4096;
+/// Object sizes are multiples of this.
+const ALIGN: usize = 64;
+/// The largest object kept: a page that compresses to more (with its length) goes to the file.
+pub const MAX_OBJECT: usize = 3 * PAGE / 4;
+const CLASSES: usize = MAX_OBJECT / ALIGN;
+/// The most pages a chunk spans: the size of a chunk slot.
+const MAX_CHUNK_PAGES: usize = 4;
+const SLOT: usize = MAX_CHUNK_PAGES * PAGE;
+/// A chunk slot's class while no chunk is in it.
+const NO_CLASS: u16 = u16::MAX;
+
+/// Object size of class `class`.
+fn class_size(class: usize) -> usize {
+    (class + 1) * ALIGN
+}
+
+/// The chunk of 1–4 pages that wastes the fewest bytes per object, for objects of `size`, and
+/// how many objects it holds.
+fn chunk_shape(size: usize) -> (usize, usize) {
+    let pages = (1..=MAX_CHUNK_PAGES)
+        .min_by_key(|&p| (p * PAGE % size) * MAX_CHUNK_PAGES / p)
+        .expect("four choices");
+    (pages, (pages * PAGE / size).min(256))
+}
+
+/// Where a stored page is: the chunk and the object in it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Handle(u32);
+
+impl Handle {
+    fn new(chunk: usize, object: usize) -> Handle {
+        Handle((chunk as u32) << 8 | object as u32)
+    }
+    fn chunk(self) -> usize {
+        (self.0 >> 8) as usize
+    }
+    fn object(self) -> usize {
+        (self.0 & 0xFF) as usize
+    }
+    /// The handle as a number (for a side table).
+    pub fn raw(self) -> u32 {
+        self.0
+    }
+    pub fn from_raw(raw: u32) -> Handle {
+        Handle(raw)
+    }
+}
+
+/// What [`Pool::store`] did with a page.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stored {
+    /// Every word of the page is this one: nothing stored, the caller keeps the word.
+    Same(u64),
+    /// Compressed and stored.
+    Object(Handle),
+    /// It compresses too little to be worth DRAM ([`MAX_OBJECT`]): for the file.
+    TooBig,
+    /// The pool has no room (its capacity is used up).
+    Full,
+}
+
+/// Why a load failed: the object does not decompress to a page (the pool's memory was
+/// overwritten, or the handle is not one of the pool's).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("compressed object {0:?} does not decompress to a page")]
+pub struct Corrupt(pub Handle);
+
+/// A size class: its object size, chunk size, and the chunks that have free objects.
+struct Class {
+    size: usize,
+    chunk_pages: usize,
+    per_chunk: usize,
+    /// Chunks of this class with a free object.
+    partial: Vec<usize>,
+}
+
+/// A chunk in use: which objects are taken (at most 256).
+#[derive(Clone, Copy, Default)]
+struct Chunk {
+    used: u16,
+    taken: [u64; 4],
+}
+
+struct Inner {
+    classes: Vec<Class>,
+    chunks: Vec<Chunk>,
+    /// Chunk slots free for reuse.
+    free_chunks: Vec<usize>,
+    /// Compressed bytes of the objects stored, and how many there are.
+    compressed: u64,
+    objects: u64,
+    /// Pages of chunks in use.
+    pages: u64,
+    /// Scratch for compressing (the largest LZ4 output of a page).
+    scratch: Vec<u8>,
+}
+
+/// A compressed pool of up to `capacity` bytes of DRAM.
+pub struct Pool {
+    memory: Mapping,
+    /// Each chunk slot's class, or [`NO_CLASS`]: read by `load` without the lock.
+    class_of: Box<[AtomicU16]>,
+    inner: Mutex<Inner>,
+}
+
+/// The pool's figures.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Pages stored as objects.
+    pub objects: u64,
+    /// Their compressed bytes (with each object's two-byte length).
+    pub compressed_bytes: u64,
+    /// DRAM the pool's chunks take (whole chunks in use).
+    pub pool_bytes: u64,
+}
+
+impl Pool {
+    /// A pool that may use up to `capacity` bytes (rounded down to pages): address space now,
+    /// DRAM as pages are stored.
+    pub fn new(capacity: usize) -> io::Result<Pool> {
+        let slots = (capacity / SLOT).max(1);
+        let classes = (0..CLASSES)
+            .map(|k| {
+                let (chunk_pages, per_chunk) = chunk_shape(class_size(k));
+                Class {
+                    size: class_size(k),
+                    chunk_pages,
+                    per_chunk,
+                    partial: Vec::new(),
+                }
+            })
+            .collect();
+        Ok(Pool {
+            memory: Mapping::anon(slots * SLOT)?,
+            class_of: (0..slots).map(|_| AtomicU16::new(NO_CLASS)).collect(),
+            inner: Mutex::new(Inner {
+                classes,
+                chunks: Vec::new(),
+                free_chunks: Vec::new(),
+                compressed: 0,
+                objects: 0,
+                pages: 0,
+                scratch: vec![0; lz4_flex::block::get_maximum_output_size(PAGE)],
+            }),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Stores `page` compressed (or as its one word, or not at all): see [`Stored`].
+    pub fn store(&self, page: &[u8; PAGE]) -> Stored {
+        let first = u64::from_ne_bytes(page[..8].try_into().expect("8 bytes"));
+        if page
+            .chunks_exact(8)
+            .all(|w| u64::from_ne_bytes(w.try_into().expect("8 bytes")) == first)
+        {
+            return Stored::Same(first);
+        }
+        let mut g = self.lock();
+        let inner = &mut *g;
+        let n = match lz4_flex::block::compress_into(page, &mut inner.scratch) {
+            Ok(n) if n + 2 <= MAX_OBJECT => n,
+            _ => return Stored::TooBig,
+        };
+        let class = (n + 2).div_ceil(ALIGN) - 1;
+        let Some((chunk, object)) = self.take_object(inner, class) else {
+            return Stored::Full;
+        };
+        let at = chunk * SLOT + object * inner.classes[class].size;
+        // SAFETY: the object lies inside a chunk of the pool's mapping that this call just
+        // took for it; no one else writes it (the lock is held, and loads read only objects
+        // they hold).
+        unsafe {
+            let dst = (self.memory.addr() + at) as *mut u8;
+            std::ptr::copy_nonoverlapping((n as u16).to_le_bytes().as_ptr(), dst, 2);
+            std::ptr::copy_nonoverlapping(inner.scratch.as_ptr(), dst.add(2), n);
+        }
+        inner.compressed += n as u64 + 2;
+        inner.objects += 1;
+        Stored::Object(Handle::new(chunk, object))
+    }
+
+    /// A free object of `class`: from a partial chunk, else a new or freed chunk.
+    fn take_object(&self, inner: &mut Inner, class: usize) -> Option<(usize, usize)> {
+        let chunk = match inner.classes[class].partial.last() {
+            Some(&c) => c,
+            None => {
+                let pages = inner.classes[class].chunk_pages;
+                let c = match inner.free_chunks.pop() {
+                    Some(c) => c,
+                    None => {
+                        if inner.chunks.len() >= self.class_of.len().min(1 << 24) {
+                            return None;
+                        }
+                        inner.chunks.push(Chunk::default());
+                        inner.chunks.len() - 1
+                    }
+                };
+                inner.chunks[c] = Chunk::default();
+                // Before any object of it is handed out, so that `load` finds it.
+                self.class_of[c].store(class as u16, Ordering::Release);
+                inner.pages += pages as u64;
+                inner.classes[class].partial.push(c);
+                c
+            }
+        };
+        let per_chunk = inner.classes[class].per_chunk;
+        let ch = &mut inner.chunks[chunk];
+        let object = (0..per_chunk)
+            .find(|&o| ch.taken[o / 64] & (1 << (o % 64)) == 0)
+            .expect("a partial chunk has a free object");
+        ch.taken[object / 64] |= 1 << (object % 64);
+        ch.used += 1;
+        if ch.used as usize == per_chunk {
+            inner.classes[class].partial.retain(|&c| c != chunk);
+        }
+        Some((chunk, object))
+    }
+
+    /// Decompresses the object `h` into `out` (no lock, no allocation). The caller holds `h`:
+    /// no [`free`](Self::free) of it runs meanwhile.
+    pub fn load(&self, h: Handle, out: &mut [u8; PAGE]) -> Result<(), Corrupt> {
+        let class = self
+            .class_of
+            .get(h.chunk())
+            .map(|c| c.load(Ordering::Acquire) as usize)
+            .filter(|&c| c < CLASSES)
+            .ok_or(Corrupt(h))?;
+        let size = class_size(class);
+        if h.object() >= chunk_shape(size).1 {
+            return Err(Corrupt(h));
+        }
+        let at = h.chunk() * SLOT + h.object() * size;
+        // SAFETY: `at..at + size` lies inside chunk slot `h.chunk()` of the pool's mapping
+        // (the object number is within its class's chunk), which holds object `h`; the
+        // caller holds it, so nothing writes it while it is read.
+        let object =
+            unsafe { std::slice::from_raw_parts((self.memory.addr() + at) as *const u8, size) };
+        let n = u16::from_le_bytes([object[0], object[1]]) as usize;
+        if n + 2 > size {
+            return Err(Corrupt(h));
+        }
+        match lz4_flex::block::decompress_into(&object[2..2 + n], out) {
+            Ok(PAGE) => Ok(()),
+            _ => Err(Corrupt(h)),
+        }
+    }
+
+    /// Frees object `h`; a chunk left empty gives its DRAM back.
+    pub fn free(&self, h: Handle) {
+        let mut g = self.lock();
+        let inner = &mut *g;
+        let Some(ch) = inner.chunks.get_mut(h.chunk()) else {
+            return;
+        };
+        let o = h.object();
+        let class = self.class_of[h.chunk()].load(Ordering::Relaxed) as usize;
+        if class >= CLASSES || ch.taken[o / 64] & (1 << (o % 64)) == 0 {
+            return;
+        }
+        let at = h.chunk() * SLOT + o * inner.classes[class].size;
+        let mut len = [0u8; 2];
+        // SAFETY: inside the pool's mapping, the start of an object this pool handed out.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                (self.memory.addr() + at) as *const u8,
+                len.as_mut_ptr(),
+                2,
+            )
+        };
+        let n = u16::from_le_bytes(len) as u64;
+        ch.taken[o / 64] &= !(1 << (o % 64));
+        let was_full = ch.used as usize == inner.classes[class].per_chunk;
+        ch.used -= 1;
+        let empty = ch.used == 0;
+        inner.compressed -= n + 2;
+        inner.objects -= 1;
+        if empty {
+            inner.classes[class].partial.retain(|&c| c != h.chunk());
+            let pages = inner.classes[class].chunk_pages;
+            // SAFETY: every object of this chunk is freed; nothing in it is needed.
+            unsafe {
+                let _ = sys::discard(self.memory.addr() + h.chunk() * SLOT, pages * PAGE);
+            }
+            self.class_of[h.chunk()].store(NO_CLASS, Ordering::Release);
+            inner.free_chunks.push(h.chunk());
+            inner.pages -= pages as u64;
+        } else if was_full {
+            inner.classes[class].partial.push(h.chunk());
+        }
+    }
+
+    pub fn stats(&self) -> PoolStats {
+        let g = self.lock();
+        PoolStats {
+            objects: g.objects,
+            compressed_bytes: g.compressed,
+            pool_bytes: g.pages * PAGE as u64,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// A page of `random` random words (the rest zero), from `seed`: compresses about
+    /// 512 / `random` to 1.
+    fn page(seed: u64, random: usize) -> Box<[u8; PAGE]> {
+        let mut p = Box::new([0u8; PAGE]);
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        for w in p.chunks_exact_mut(8).take(random) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            w.copy_from_slice(&x.to_ne_bytes());
+        }
+        p
+    }
+
+    #[test]
+    fn a_page_comes_back_as_it_went_in_or_is_refused() {
+        let pool = Pool::new(1 << 20).unwrap();
+        assert_eq!(pool.store(&[0; PAGE]), Stored::Same(0));
+        assert_eq!(
+            pool.store(&[0xAB; PAGE]),
+            Stored::Same(0xABAB_ABAB_ABAB_ABAB)
+        );
+        assert_eq!(pool.store(&page(1, 512)), Stored::TooBig, "random bytes");
+        for random in [1, 64, 256, 300] {
+            let p = page(random as u64, random);
+            let Stored::Object(h) = pool.store(&p) else {
+                panic!("{random} random words of 512 should compress");
+            };
+            let mut out = [0u8; PAGE];
+            pool.load(h, &mut out).unwrap();
+            assert!(out == *p, "{random} random words came back different");
+        }
+        let s = pool.stats();
+        assert_eq!(s.objects, 4);
+        assert!(s.compressed_bytes < 4 * 3072, "{s:?}");
+        assert!(s.pool_bytes >= s.compressed_bytes, "{s:?}");
+    }
+
+    #[test]
+    fn a_full_pool_says_so_and_freeing_makes_room() {
+        // One chunk slot: a few objects of one class fit, then the pool is full.
+        let pool = Pool::new(SLOT).unwrap();
+        let p = page(7, 256);
+        let mut held = Vec::new();
+        loop {
+            match pool.store(&p) {
+                Stored::Object(h) => held.push(h),
+                Stored::Full => break,
+                other => panic!("{other:?}"),
+            }
+            assert!(
+                held.len() < 64,
+                "a 16 KiB pool cannot hold {} half pages",
+                held.len()
+            );
+        }
+        assert!(!held.is_empty());
+        pool.free(held.pop().unwrap());
+        assert!(matches!(pool.store(&p), Stored::Object(_)));
+    }
+
+    #[test]
+    fn a_handle_that_is_not_held_does_not_load() {
+        let pool = Pool::new(1 << 20).unwrap();
+        let mut out = [0u8; PAGE];
+        assert!(pool.load(Handle::new(3, 0), &mut out).is_err(), "no chunk");
+        let Stored::Object(h) = pool.store(&page(2, 100)) else {
+            panic!()
+        };
+        assert!(
+            pool.load(Handle::new(h.chunk(), 255), &mut out).is_err(),
+            "past the chunk"
+        );
+        pool.free(h);
+        assert!(pool.load(h, &mut out).is_err(), "its chunk was emptied");
+        assert_eq!(pool.stats(), PoolStats::default());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        /// Stores and frees in any order: every held object loads its page, the counts add
+        /// up, and a pool emptied of objects holds no DRAM.
+        #[test]
+        fn stores_and_frees_keep_every_page(
+            ops in proptest::collection::vec((any::<bool>(), 0u64..1000, 1usize..400), 1..300)
+        ) {
+            let pool = Pool::new(4 << 20).unwrap();
+            let mut held: Vec<(Handle, u64, usize)> = Vec::new();
+            for (store, seed, random) in ops {
+                if store || held.is_empty() {
+                    if let Stored::Object(h) = pool.store(&page(seed, random)) {
+                        held.push((h, seed, random));
+                    }
+                } else {
+                    let (h, _, _) = held.swap_remove(seed as usize % held.len());
+                    pool.free(h);
+                }
+                prop_assert_eq!(pool.stats().objects, held.len() as u64);
+            }
+            let mut out = [0u8; PAGE];
+            for &(h, seed, random) in &held {
+                pool.load(h, &mut out).unwrap();
+                prop_assert!(out == *page(seed, random));
+            }
+            for (h, _, _) in held {
+                pool.free(h);
+            }
+            prop_assert_eq!(pool.stats(), PoolStats::default());
+        }
+    }
+}
