@@ -75,6 +75,12 @@ pub fn bench(mut args: BenchArgs) -> Result<ExitCode> {
     if a.reps_given == Some(0) {
         bail!("--reps must be at least 1");
     }
+    if a.pool_share > 90.0 {
+        bail!(
+            "--pool-share {}: give at most 90 (the rest of the budget is the program's cgroup)",
+            a.pool_share
+        );
+    }
     for e in &args.experiments {
         if !EXPERIMENTS.contains(&e.as_str()) {
             bail!(
@@ -169,6 +175,19 @@ pub fn bench(mut args: BenchArgs) -> Result<ExitCode> {
     } else {
         Some(setup_swap(&a.tier, swap_bytes, &mut guard)?)
     };
+    // Before the cgroups: the guard undoes in reverse, so the runs left in them are killed
+    // before zram, which they may be swapped to, is switched off.
+    let mut pools = if cg.is_some() {
+        Pools::setup(
+            a.no_zswap,
+            a.no_zram,
+            a.pool_share / 100.0,
+            swap_bytes,
+            &mut guard,
+        )?
+    } else {
+        Pools::none()
+    };
     // One cgroup per budget, created now so a failure stops us before any run.
     let mut cgroups = Vec::new();
     if let Some(cg) = &cg {
@@ -233,17 +252,6 @@ pub fn bench(mut args: BenchArgs) -> Result<ExitCode> {
     } else {
         None
     };
-    let mut pools = if cg.is_some() {
-        Pools::setup(
-            a.no_zswap,
-            a.no_zram,
-            a.pool_share / 100.0,
-            swap_bytes,
-            &mut guard,
-        )?
-    } else {
-        Pools::none()
-    };
     // Every configuration: name, budget fraction, placement, the compressed pool in front of
     // swap.
     let mut configs: Vec<(String, f64, Placement, Pool)> =
@@ -299,7 +307,10 @@ pub fn bench(mut args: BenchArgs) -> Result<ExitCode> {
                 &mut pools,
             )?,
             "redis" => crate::kv::run(a, &args.kv, crate::kv::Server::Redis, &configs, &mut pools)?,
-            "quotas" => crate::quotas::quotas(a, t)?,
+            "quotas" => {
+                pools.select(Pool::None, 0, 1.0)?;
+                crate::quotas::quotas(a, t)?
+            }
             "density" | "noisy" | "vms" => {
                 pools.select(Pool::None, 0, 1.0)?;
                 let host = crate::tenants::Host {

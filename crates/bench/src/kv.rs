@@ -628,7 +628,7 @@ pub fn run(
                     server.name()
                 );
                 let cgroup_limit =
-                    same_dram.before(name, budget, place, pools.cap(*pool, budget_b))?;
+                    same_dram.before(name, budget, place, *pool, pools.cap(*pool, budget_b))?;
                 let mut r = match one_run(a, x, server, skew, place, &label) {
                     Ok(r) => r,
                     Err(e) if matches!(place, Placement::Cgroup { .. }) => {

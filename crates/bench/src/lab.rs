@@ -114,14 +114,16 @@ impl SameDram {
     }
 
     /// Before a run of configuration `name` at `budget` in `place`: a Linux-swap run gets its
-    /// limit (returned), less `pool` bytes for a compressed pool outside the cgroup; others
-    /// nothing.
+    /// limit (returned), less `cap` bytes for a compressed `pool` outside the cgroup; others
+    /// nothing. (zswap's pool is charged to the cgroup under cgroup v2: there the limit stays
+    /// whole and `memory.zswap.max` caps the pool.)
     pub fn before(
         &mut self,
         name: &str,
         budget: f64,
         place: &Placement,
-        pool: u64,
+        pool: Pool,
+        cap: u64,
     ) -> Result<Option<u64>> {
         let (Placement::Cgroup { procs }, Some(file)) = (place, self.limit_file) else {
             return Ok(None);
@@ -135,12 +137,18 @@ impl SameDram {
             .find(|(b, _)| *b == budget)
             .map_or(0, |&(_, most)| most);
         let budget = budget_bytes(self.footprint, budget * 100.0);
-        let limit = (budget + beyond.next_multiple_of(1 << 20)).saturating_sub(pool);
+        let charged = pool == Pool::Zswap && file == "memory.max";
+        let outside = if charged { 0 } else { cap };
+        if charged {
+            std::fs::write(dir.join("memory.zswap.max"), cap.to_string())
+                .with_context(|| format!("cannot cap zswap in {}", dir.display()))?;
+        }
+        let limit = (budget + beyond.next_multiple_of(1 << 20)).saturating_sub(outside);
         std::fs::write(dir.join(file), limit.to_string())
             .with_context(|| format!("cannot set the memory limit of {}", dir.display()))?;
         match self.limits.iter_mut().find(|l| l.0 == name) {
             Some(l) => l.2 = l.2.max(limit),
-            None => self.limits.push((name.to_string(), budget, limit, pool)),
+            None => self.limits.push((name.to_string(), budget, limit, outside)),
         }
         Ok(Some(limit))
     }

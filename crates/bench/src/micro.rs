@@ -175,7 +175,7 @@ pub fn run(
                         step_label(records.len(), total_runs, started)
                     );
                     let cgroup_limit =
-                        same_dram.before(name, budget, place, pools.cap(*pool, budget_b))?;
+                        same_dram.before(name, budget, place, *pool, pools.cap(*pool, budget_b))?;
                     let o: Outcome = match run_workload(&label, &w, place) {
                         Ok(o) => o,
                         // Linux may kill a workload in its cgroup (out of memory with the

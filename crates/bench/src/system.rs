@@ -98,7 +98,9 @@ impl Restore {
             Restore::Write(p, v) => {
                 let _ = std::fs::write(p, v);
             }
-            Restore::Zram => zram_off(),
+            Restore::Zram => {
+                zram_off();
+            }
         }
     }
 }
@@ -270,6 +272,18 @@ pub(crate) fn setup_swap(tier: &Path, swap_bytes: u64, guard: &mut Guard) -> Res
         bail!("the Linux-swap configurations need root (swapon, cgroups); run as root or with --no-swap");
     }
     let cg = find_memory_cgroup()?;
+    let others = std::fs::read_to_string("/proc/swaps")
+        .unwrap_or_default()
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split_whitespace().next().map(str::to_string))
+        .collect::<Vec<_>>();
+    if !others.is_empty() {
+        eprintln!(
+            "memtide: swap is already on ({}); the Linux configurations may swap there too, before or beside the bench's swap file",
+            others.join(", ")
+        );
+    }
     // zswap is switched per run (off for Linux swap, on for zswap) and put back afterwards.
     if let Ok(v) = std::fs::read_to_string(ZSWAP) {
         guard.push(Restore::Write(PathBuf::from(ZSWAP), v.trim().to_string()))?;
@@ -322,6 +336,8 @@ pub struct Pools {
     total_ram: u64,
     /// The zram device's size while it is on.
     zram_on: Option<u64>,
+    /// Whether the bench said that zswap's cap is coarser than its share.
+    warned_coarse: bool,
 }
 
 impl Pools {
@@ -334,6 +350,7 @@ impl Pools {
             zram_disk: 0,
             total_ram: 1,
             zram_on: None,
+            warned_coarse: false,
         }
     }
 
@@ -362,9 +379,16 @@ impl Pools {
         let mut zram = false;
         if !no_zram {
             let initstate = std::fs::read_to_string(format!("{ZRAM}/initstate"));
+            let lz4 = std::fs::read_to_string(format!("{ZRAM}/comp_algorithm")).is_ok_and(|a| {
+                a.split_whitespace()
+                    .any(|a| a.trim_matches(['[', ']']) == "lz4")
+            });
             match initstate.as_deref().map(str::trim) {
                 Err(_) => eprintln!(
                     "memtide: this kernel has no zram device ({ZRAM}); skipping the zram configurations"
+                ),
+                Ok("0") if !lz4 => eprintln!(
+                    "memtide: this kernel's zram has no lz4; skipping the zram configurations"
                 ),
                 Ok("0") => {
                     // Put back as found: reset (empty, no swap), then its compressor.
@@ -394,6 +418,7 @@ impl Pools {
             zram_disk: disk.next_multiple_of(1 << 20),
             total_ram: memtide_launch::preflight::machine_memory().max(1),
             zram_on: None,
+            warned_coarse: false,
         })
     }
 
@@ -427,8 +452,19 @@ impl Pools {
         if self.zswap {
             set_zswap(pool == Pool::Zswap)?;
             if pool == Pool::Zswap {
-                // A percentage of all RAM: the nearest to the cap, at least 1.
-                let pct = ((cap as f64 * 100.0 / self.total_ram as f64).round() as u64).max(1);
+                // A whole percentage of all RAM, at most the cap where it can be (at least 1:
+                // on a large machine that is more than the cap, and the table would flatter
+                // zswap; say so once).
+                let exact = cap as f64 * 100.0 / self.total_ram as f64;
+                if exact < 1.0 && !self.warned_coarse {
+                    self.warned_coarse = true;
+                    eprintln!(
+                        "memtide: zswap's pool can only be capped at whole percentages of RAM: 1% is {} here, more than its share of {}",
+                        bytes(self.total_ram / 100),
+                        bytes(cap)
+                    );
+                }
+                let pct = (exact.floor() as u64).max(1);
                 std::fs::write(ZSWAP_MAX_POOL, pct.to_string())
                     .context("cannot set zswap's max_pool_percent")?;
             }
@@ -441,8 +477,8 @@ impl Pools {
                     .max(16 << 20)
             });
             if self.zram_on != want {
-                if self.zram_on.is_some() {
-                    zram_off();
+                if self.zram_on.is_some() && !zram_off() {
+                    bail!("cannot switch {ZRAM_DEV} off (swapoff or reset failed); stopping");
                 }
                 self.zram_on = None;
                 if let Some(disk) = want {
@@ -476,8 +512,9 @@ impl Pools {
     }
 }
 
-/// Swaps the zram device off and empties it (as many tries as swap's).
-fn zram_off() {
+/// Swaps the zram device off and empties it (as many tries as swap's). Returns whether it is
+/// off and empty.
+fn zram_off() -> bool {
     for _ in 0..10 {
         let on = std::fs::read_to_string("/proc/swaps").is_ok_and(|s| s.contains(ZRAM_DEV));
         if !on {
@@ -489,4 +526,6 @@ fn zram_off() {
         }
     }
     let _ = std::fs::write(format!("{ZRAM}/reset"), "1");
+    !std::fs::read_to_string("/proc/swaps").is_ok_and(|s| s.contains(ZRAM_DEV))
+        && std::fs::read_to_string(format!("{ZRAM}/initstate")).is_ok_and(|s| s.trim() == "0")
 }

@@ -18,11 +18,15 @@
 //!
 //! # Concurrency
 //!
-//! `store` and `free` take the pool's lock. `load` takes none and allocates nothing, so that a
-//! fault path (a signal handler among them) may call it: where a chunk is follows from its
-//! number, and its class is an atomic set before any object of it is handed out. The caller
-//! must hold the object (the engine's page is claimed while it loads), so no `free` of it can
-//! run meanwhile, and a chunk is only reused once every object in it was freed.
+//! `store` and `free` take the pool's lock (and `store` allocates LZ4's hash table): they are
+//! for the evictor, never for a fault path. `load` takes no lock and allocates nothing, so
+//! that a fault path (a signal handler among them) may call it: where a chunk is follows from
+//! its number, and its class is an atomic set before any object of it is handed out. The
+//! caller must hold the object (the engine's page is claimed while it loads), so no `free` of
+//! it runs meanwhile, and must have received its handle with Release/Acquire ordering from the
+//! thread that stored it (the class atomic does not publish the object's bytes). A freed
+//! object's length is cleared, so a load of it fails until its place is reused; past that,
+//! the engine checks a loaded page against its checksum, as it does pages read from the file.
 
 use std::io;
 use std::sync::atomic::{AtomicU16, Ordering};
@@ -36,6 +40,8 @@ const ALIGN: usize = 64;
 /// The largest object kept: a page that compresses to more (with its length) goes to the file.
 pub const MAX_OBJECT: usize = 3 * PAGE / 4;
 const CLASSES: usize = MAX_OBJECT / ALIGN;
+/// Room for LZ4's output of a page, however incompressible.
+const COMPRESSED_MAX: usize = lz4_flex::block::get_maximum_output_size(PAGE);
 /// The most pages a chunk spans: the size of a chunk slot.
 const MAX_CHUNK_PAGES: usize = 4;
 const SLOT: usize = MAX_CHUNK_PAGES * PAGE;
@@ -124,13 +130,13 @@ struct Inner {
     objects: u64,
     /// Pages of chunks in use.
     pages: u64,
-    /// Scratch for compressing (the largest LZ4 output of a page).
-    scratch: Vec<u8>,
 }
 
 /// A compressed pool of up to `capacity` bytes of DRAM.
 pub struct Pool {
     memory: Mapping,
+    /// The most pages its chunks may take.
+    capacity_pages: u64,
     /// Each chunk slot's class, or [`NO_CLASS`]: read by `load` without the lock.
     class_of: Box<[AtomicU16]>,
     inner: Mutex<Inner>,
@@ -151,7 +157,10 @@ impl Pool {
     /// A pool that may use up to `capacity` bytes (rounded down to pages): address space now,
     /// DRAM as pages are stored.
     pub fn new(capacity: usize) -> io::Result<Pool> {
-        let slots = (capacity / SLOT).max(1);
+        // A chunk slot per page of capacity: chunks of one page take a slot of four, the
+        // rest of which stays address space.
+        let capacity_pages = (capacity / PAGE).max(1);
+        let slots = capacity_pages;
         let classes = (0..CLASSES)
             .map(|k| {
                 let (chunk_pages, per_chunk) = chunk_shape(class_size(k));
@@ -165,6 +174,7 @@ impl Pool {
             .collect();
         Ok(Pool {
             memory: Mapping::anon(slots * SLOT)?,
+            capacity_pages: capacity_pages as u64,
             class_of: (0..slots).map(|_| AtomicU16::new(NO_CLASS)).collect(),
             inner: Mutex::new(Inner {
                 classes,
@@ -173,7 +183,6 @@ impl Pool {
                 compressed: 0,
                 objects: 0,
                 pages: 0,
-                scratch: vec![0; lz4_flex::block::get_maximum_output_size(PAGE)],
             }),
         })
     }
@@ -191,12 +200,14 @@ impl Pool {
         {
             return Stored::Same(first);
         }
-        let mut g = self.lock();
-        let inner = &mut *g;
-        let n = match lz4_flex::block::compress_into(page, &mut inner.scratch) {
+        // Compressed before the lock is taken: other stores and frees need not wait for it.
+        let mut compressed = [0u8; COMPRESSED_MAX];
+        let n = match lz4_flex::block::compress_into(page, &mut compressed) {
             Ok(n) if n + 2 <= MAX_OBJECT => n,
             _ => return Stored::TooBig,
         };
+        let mut g = self.lock();
+        let inner = &mut *g;
         let class = (n + 2).div_ceil(ALIGN) - 1;
         let Some((chunk, object)) = self.take_object(inner, class) else {
             return Stored::Full;
@@ -208,7 +219,7 @@ impl Pool {
         unsafe {
             let dst = (self.memory.addr() + at) as *mut u8;
             std::ptr::copy_nonoverlapping((n as u16).to_le_bytes().as_ptr(), dst, 2);
-            std::ptr::copy_nonoverlapping(inner.scratch.as_ptr(), dst.add(2), n);
+            std::ptr::copy_nonoverlapping(compressed.as_ptr(), dst.add(2), n);
         }
         inner.compressed += n as u64 + 2;
         inner.objects += 1;
@@ -221,6 +232,9 @@ impl Pool {
             Some(&c) => c,
             None => {
                 let pages = inner.classes[class].chunk_pages;
+                if inner.pages + pages as u64 > self.capacity_pages {
+                    return None;
+                }
                 let c = match inner.free_chunks.pop() {
                     Some(c) => c,
                     None => {
@@ -247,7 +261,8 @@ impl Pool {
         ch.taken[object / 64] |= 1 << (object % 64);
         ch.used += 1;
         if ch.used as usize == per_chunk {
-            inner.classes[class].partial.retain(|&c| c != chunk);
+            // The chunk taken from is the last partial one.
+            inner.classes[class].partial.pop();
         }
         Some((chunk, object))
     }
@@ -304,11 +319,14 @@ impl Pool {
             )
         };
         let n = u16::from_le_bytes(len) as u64;
+        // SAFETY: as above; the object is no longer anyone's, so its length goes (a load of
+        // it then fails).
+        unsafe { std::ptr::write_bytes((self.memory.addr() + at) as *mut u8, 0, 2) };
         ch.taken[o / 64] &= !(1 << (o % 64));
         let was_full = ch.used as usize == inner.classes[class].per_chunk;
         ch.used -= 1;
         let empty = ch.used == 0;
-        inner.compressed -= n + 2;
+        inner.compressed = inner.compressed.saturating_sub(n + 2);
         inner.objects -= 1;
         if empty {
             inner.classes[class].partial.retain(|&c| c != h.chunk());
@@ -399,6 +417,44 @@ mod tests {
         assert!(!held.is_empty());
         pool.free(held.pop().unwrap());
         assert!(matches!(pool.store(&p), Stored::Object(_)));
+    }
+
+    #[test]
+    fn the_pool_fills_its_capacity_of_dram_whatever_the_class() {
+        // One random word a page: tiny objects, whose chunks are one page each.
+        for (random, capacity_pages) in [(1, 8), (100, 8), (300, 9)] {
+            let pool = Pool::new(capacity_pages * PAGE).unwrap();
+            let mut n = 0u64;
+            while let Stored::Object(_) = pool.store(&page(n, random)) {
+                n += 1;
+                assert!(n < 100_000);
+            }
+            let s = pool.stats();
+            // Full once another chunk would not fit: within one chunk (4 pages) of it.
+            assert!(
+                s.pool_bytes <= (capacity_pages * PAGE) as u64
+                    && s.pool_bytes + (MAX_CHUNK_PAGES * PAGE) as u64
+                        > (capacity_pages * PAGE) as u64,
+                "{random} random words: {s:?} of {capacity_pages} pages"
+            );
+        }
+    }
+
+    #[test]
+    fn a_freed_object_does_not_load_while_its_chunk_lives_on() {
+        let pool = Pool::new(1 << 20).unwrap();
+        let hs: Vec<Handle> = (0..3)
+            .map(|i| match pool.store(&page(i, 40)) {
+                Stored::Object(h) => h,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(hs[0].chunk(), hs[2].chunk(), "small objects share a chunk");
+        pool.free(hs[1]);
+        let mut out = [0u8; PAGE];
+        assert!(pool.load(hs[1], &mut out).is_err());
+        pool.load(hs[2], &mut out).unwrap();
+        assert!(out == *page(2, 40));
     }
 
     #[test]
