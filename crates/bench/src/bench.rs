@@ -32,6 +32,16 @@ const EXPERIMENTS: [&str; 7] = [
     "quotas",
 ];
 
+/// Drops every item equal to one before it, keeping the order.
+fn keep_first<T: PartialEq + Copy>(items: &mut Vec<T>) {
+    let mut seen = Vec::new();
+    items.retain(|x| {
+        let new = !seen.contains(x);
+        seen.push(*x);
+        new
+    });
+}
+
 #[derive(Args, Debug)]
 pub struct BenchArgs {
     /// Experiments to run: `micro` (the built-in workload), `memcached` and `redis` (a
@@ -58,18 +68,8 @@ pub struct BenchArgs {
 
 pub fn bench(mut args: BenchArgs) -> Result<ExitCode> {
     // Once each, in the order given (`clock` and `sweep` are the same policy).
-    let mut seen = Vec::new();
-    args.common.policy.retain(|p| {
-        let new = !seen.contains(p);
-        seen.push(*p);
-        new
-    });
-    let mut seen = Vec::new();
-    args.common.faults.retain(|f| {
-        let new = !seen.contains(f);
-        seen.push(*f);
-        new
-    });
+    keep_first(&mut args.common.policy);
+    keep_first(&mut args.common.faults);
     let a = &args.common;
     let (t, v) = (&args.tenants, &args.vms);
     if a.reps_given == Some(0) {

@@ -64,16 +64,7 @@ impl Restore {
         match self {
             Restore::Swapfile(p) => {
                 if p.exists() {
-                    for _ in 0..10 {
-                        let off = Command::new("swapoff").arg(p).output();
-                        if off.is_ok_and(|o| o.status.success())
-                            || !std::fs::read_to_string("/proc/swaps")
-                                .is_ok_and(|s| s.contains(&*p.to_string_lossy()))
-                        {
-                            break;
-                        }
-                        std::thread::sleep(Duration::from_millis(200));
-                    }
+                    swap_off(p);
                     let _ = std::fs::remove_file(p);
                 }
             }
@@ -515,17 +506,28 @@ impl Pools {
 /// Swaps the zram device off and empties it (as many tries as swap's). Returns whether it is
 /// off and empty.
 fn zram_off() -> bool {
-    for _ in 0..10 {
-        let on = std::fs::read_to_string("/proc/swaps").is_ok_and(|s| s.contains(ZRAM_DEV));
-        if !on {
-            break;
-        }
-        let _ = Command::new("swapoff").arg(ZRAM_DEV).output();
-        if std::fs::read_to_string("/proc/swaps").is_ok_and(|s| s.contains(ZRAM_DEV)) {
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    }
+    let off = swap_off(Path::new(ZRAM_DEV));
     let _ = std::fs::write(format!("{ZRAM}/reset"), "1");
-    !std::fs::read_to_string("/proc/swaps").is_ok_and(|s| s.contains(ZRAM_DEV))
-        && std::fs::read_to_string(format!("{ZRAM}/initstate")).is_ok_and(|s| s.trim() == "0")
+    off && std::fs::read_to_string(format!("{ZRAM}/initstate")).is_ok_and(|s| s.trim() == "0")
+}
+
+/// Whether `swap` (a file or device) is on, as /proc/swaps says.
+fn swap_is_on(swap: &Path) -> bool {
+    std::fs::read_to_string("/proc/swaps").is_ok_and(|s| s.contains(&*swap.to_string_lossy()))
+}
+
+/// Swaps `swap` off, trying again while pages still coming back make swapoff fail (10 tries,
+/// 200 ms apart). Returns whether it is off.
+fn swap_off(swap: &Path) -> bool {
+    for _ in 0..10 {
+        if !swap_is_on(swap) {
+            return true;
+        }
+        let _ = Command::new("swapoff").arg(swap).output();
+        if !swap_is_on(swap) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    !swap_is_on(swap)
 }

@@ -104,9 +104,9 @@ pub enum Stored {
 #[error("compressed object {0:?} does not decompress to a page")]
 pub struct Corrupt(pub Handle);
 
-/// A size class: its object size, chunk size, and the chunks that have free objects.
+/// A size class (its object size is [`class_size`]): its chunk size, and the chunks that have
+/// free objects.
 struct Class {
-    size: usize,
     chunk_pages: usize,
     per_chunk: usize,
     /// Chunks of this class with a free object.
@@ -165,7 +165,6 @@ impl Pool {
             .map(|k| {
                 let (chunk_pages, per_chunk) = chunk_shape(class_size(k));
                 Class {
-                    size: class_size(k),
                     chunk_pages,
                     per_chunk,
                     partial: Vec::new(),
@@ -212,7 +211,7 @@ impl Pool {
         let Some((chunk, object)) = self.take_object(inner, class) else {
             return Stored::Full;
         };
-        let at = chunk * SLOT + object * inner.classes[class].size;
+        let at = chunk * SLOT + object * class_size(class);
         // SAFETY: the object lies inside a chunk of the pool's mapping that this call just
         // took for it; no one else writes it (the lock is held, and loads read only objects
         // they hold).
@@ -308,7 +307,7 @@ impl Pool {
         if class >= CLASSES || ch.taken[o / 64] & (1 << (o % 64)) == 0 {
             return;
         }
-        let at = h.chunk() * SLOT + o * inner.classes[class].size;
+        let at = h.chunk() * SLOT + o * class_size(class);
         let mut len = [0u8; 2];
         // SAFETY: inside the pool's mapping, the start of an object this pool handed out.
         unsafe {
