@@ -161,15 +161,24 @@ mod tests {
         let (tell, told) = mpsc::channel();
         let (stop, stopped) = mpsc::channel::<()>();
         let worker = std::thread::spawn(move || {
-            // Runs 5 ms on a CPU, then blocks: the kernel adds up its time as it sleeps.
-            let t0 = std::time::Instant::now();
-            while t0.elapsed() < std::time::Duration::from_millis(5) {
+            // Runs at least 5 ms on a CPU (by its own CPU clock: on a busy machine wall time
+            // is not CPU time), then blocks: the kernel adds up its time as it sleeps.
+            let ran = || {
+                let mut t = libc::timespec {
+                    tv_sec: 0,
+                    tv_nsec: 0,
+                };
+                // SAFETY: a valid out-pointer for the calling thread's CPU clock.
+                unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
+                t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
+            };
+            while ran() < 5_000_000 {
                 std::hint::spin_loop();
             }
-            tell.send(gettid()).unwrap();
+            tell.send((gettid(), ran())).unwrap();
             stopped.recv().unwrap();
         });
-        let tid = told.recv().unwrap();
+        let (tid, ran_ns) = told.recv().unwrap();
         // Once the worker sleeps on `stopped`, the kernel has added up the time it ran (a
         // running thread's time is brought up to date only at ticks and switches).
         let sleeping = || {
@@ -180,7 +189,7 @@ mod tests {
             std::thread::yield_now();
         }
         let s = SchedStat::of(tid).expect("schedstat of the worker");
-        assert!(s.run_ns >= 4_000_000 && s.runs >= 1, "{s:?}");
+        assert!(s.run_ns >= ran_ns && s.runs >= 1, "{s:?} after {ran_ns} ns");
         stop.send(()).unwrap();
         worker.join().unwrap();
         assert_eq!(SchedStat::of(0), None);
