@@ -70,6 +70,7 @@ pub fn bench(mut args: BenchArgs) -> Result<ExitCode> {
     // Once each, in the order given (`clock` and `sweep` are the same policy).
     keep_first(&mut args.common.policy);
     keep_first(&mut args.common.faults);
+    keep_first(&mut args.common.compress);
     let a = &args.common;
     let (t, v) = (&args.tenants, &args.vms);
     if a.reps_given == Some(0) {
@@ -258,20 +259,24 @@ pub fn bench(mut args: BenchArgs) -> Result<ExitCode> {
         vec![("all-DRAM".into(), 1.0, Placement::Dram, Pool::None)];
     for (i, &b) in budgets.iter().enumerate() {
         let pct = a.budgets[i];
-        for &policy in &a.policy {
-            for &faults in &a.faults {
-                configs.push((
-                    format!("memtide {pct:.0}%{}", variant(faults, policy)),
-                    pct / 100.0,
-                    Placement::Memtide {
-                        dram: b,
-                        tier: &a.tier,
-                        preload: &preload,
-                        faults,
-                        policy,
-                    },
-                    Pool::None,
-                ));
+        for &compress in &a.compress {
+            for &policy in &a.policy {
+                for &faults in &a.faults {
+                    configs.push((
+                        format!("memtide {pct:.0}%{}", variant(faults, policy, compress)),
+                        pct / 100.0,
+                        Placement::Memtide {
+                            dram: b,
+                            tier: &a.tier,
+                            preload: &preload,
+                            faults,
+                            policy,
+                            compress,
+                            pool_share: Some(a.pool_share / 100.0),
+                        },
+                        Pool::None,
+                    ));
+                }
             }
         }
         if let Some(procs) = cgroups.get(i) {

@@ -55,9 +55,15 @@ pub struct Common {
     /// file).
     #[arg(long)]
     pub no_zram: bool,
-    /// The share of each budget that zswap's and zram's compressed pools may take; their
-    /// memory cgroup is limited to the rest (the pools live outside it), so that they have the
-    /// same DRAM in all as the other configurations.
+    /// How memtide's configurations keep pages that leave DRAM: `lz4` (the default: a
+    /// compressed pool within the budget, then tier 1), `off` (tier 1 only), or both
+    /// (`lz4,off`: every memtide configuration twice, the second marked `file-only`).
+    #[arg(long, value_delimiter = ',', value_parser = opts::compress, default_value = "lz4")]
+    pub compress: Vec<memtide_engine::Compress>,
+    /// The share of each budget that the compressed pools may take: memtide's (its
+    /// `--compressed-max`), zswap's and zram's. The kernel's pools live outside the memory
+    /// cgroup, so theirs is limited to the rest of the budget: every configuration has the
+    /// same DRAM in all.
     #[arg(long, value_parser = opts::percent, default_value = "50")]
     pub pool_share: f64,
     /// Also write the results as JSON to this file.
@@ -193,8 +199,12 @@ pub fn swap_peer(config: &str, budget: f64) -> Option<String> {
 pub(crate) fn variant(
     faults: memtide_engine::Delivery,
     policy: memtide_engine::EvictionPolicy,
+    compress: memtide_engine::Compress,
 ) -> String {
     let mut name = String::new();
+    if compress == memtide_engine::Compress::Off {
+        name.push_str(" file-only");
+    }
     if faults == memtide_engine::Delivery::Signal {
         name.push_str(" sig");
     }

@@ -372,7 +372,10 @@ fn configs(a: &Common, host: &Host, accel: Accel) -> Vec<VmConfig> {
                 if faults == memtide_engine::Delivery::Signal && accel == Accel::Kvm {
                     continue;
                 }
-                let name = format!("memtide{}", variant(faults, policy));
+                let name = format!(
+                    "memtide{}",
+                    variant(faults, policy, memtide_engine::Compress::default())
+                );
                 if !out.iter().any(|c: &VmConfig| c.name == name) {
                     out.push(VmConfig {
                         name,
@@ -469,6 +472,8 @@ fn run_guests(
                             preload: host.preload,
                             faults: config.faults,
                             policy: config.policy,
+                            compress: memtide_engine::Compress::default(),
+                            pool_share: None,
                         },
                         (Family::Swap, Some(p)) => Placement::Cgroup { procs: p },
                         _ => Placement::Dram,

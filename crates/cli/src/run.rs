@@ -59,6 +59,15 @@ pub struct RunArgs {
     /// replays each under the same name (there, `clock` is the classic CLOCK, not the sweep).
     #[arg(long, value_parser = opts::eviction_policy, default_value = "sweep")]
     pub policy: memtide_engine::EvictionPolicy,
+    /// How pages leaving DRAM are kept: `lz4` (the default: compressed into a pool in DRAM,
+    /// within --dram, before any goes to tier 1; a fault on a page in the pool is a
+    /// decompression, no I/O) or `off` (straight to tier 1). See README, "Levels".
+    #[arg(long, value_parser = opts::compress, default_value = "lz4")]
+    pub compress: memtide_engine::Compress,
+    /// The most of --dram the compressed pool may take (default: a quarter of it; at most
+    /// three quarters are used, the rest holds the pages in use).
+    #[arg(long, value_parser = opts::nonzero_size, value_name = "SIZE")]
+    pub compressed_max: Option<u64>,
     /// Make the program a tenant of the host daemon (`memtide host`) at this socket (default
     /// /run/memtide/host.sock, or MEMTIDE_HOST_SOCKET): its DRAM quota then follows the host's
     /// split, at least --dram. If the daemon goes away, the program keeps its last quota and
@@ -232,6 +241,15 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         None => (a.tier_size, None),
     };
     let encrypt_tier = a.encrypt_tier || grant.as_ref().is_some_and(|g| g.encrypt_tier);
+    if let Some(m) = a.compressed_max {
+        if m >= dram {
+            bail!(
+                "--compressed-max {}: the pool lives within the DRAM quota ({}); give less",
+                memtide_engine::size::format(m),
+                memtide_engine::size::format(dram)
+            );
+        }
+    }
     let pinned = a.pinned;
     let ready = if pinned {
         None
@@ -297,6 +315,8 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
             faults: a.faults,
             policy: a.policy,
             encrypt_tier,
+            compress: a.compress,
+            compressed_max: a.compressed_max,
             record: a.record.is_some(),
             ..Settings::new(dram, &tier)
         }

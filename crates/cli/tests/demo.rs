@@ -1,5 +1,6 @@
 //! `memtide demo`, README's first command, in a short run: both configurations ran, every page
-//! of both verified, memtide stayed within its DRAM budget and put the rest in tier 1.
+//! of both verified, memtide stayed within its DRAM budget and put the rest below DRAM: in its
+//! compressed pool and in tier 1.
 
 mod common;
 
@@ -50,10 +51,25 @@ fn short_demo_tiers_and_verifies_every_page() {
         2,
         "{out}"
     );
-    // memtide kept at most its budget (plus the documented 1 MiB slack) and the rest in tier 1.
+    // memtide kept at most its budget (plus the documented 1 MiB slack), the compressed pool
+    // within it, and the rest below DRAM: pages that compress 2:1 fill the pool (a quarter of
+    // the budget) with twice its size; the rest went to tier 1.
     let managed = mib_before(row(&out, "DRAM used (peak)"), "managed");
     assert!(managed <= 17.0, "managed DRAM peak {managed} MiB:\n{out}");
+    let pooled = mib_before(row(&out, "compressed pool holds"), "of");
+    let in_dram = row(&out, "compressed pool holds")
+        .split_once(" in ")
+        .map(|(_, d)| d)
+        .unwrap_or_else(|| panic!("no pool DRAM in:\n{out}"));
+    let pool_dram = mib_before(in_dram, "of");
+    assert!(
+        pool_dram <= 4.0 && pooled >= 1.5 * pool_dram && pooled > 2.0,
+        "pool holds {pooled} MiB in {pool_dram} MiB:\n{out}"
+    );
     let tier = mib_before(&format!("{} end", row(&out, "tier 1 holds")), "end");
-    assert!(tier >= 64.0 - 17.0, "tier 1 holds {tier} MiB:\n{out}");
+    assert!(
+        pooled + tier >= 64.0 - 17.0,
+        "pool {pooled} MiB + tier 1 {tier} MiB:\n{out}"
+    );
     assert!(out.contains("memtide kept"), "{out}");
 }

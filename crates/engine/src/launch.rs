@@ -14,7 +14,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicI32, Ordering};
 
 use crate::uffd::Delivery;
-use crate::EvictionPolicy;
+use crate::{Compress, EvictionPolicy};
 
 /// What the engine in a launched program is told: one field per setting, written into the
 /// program's environment by the launcher ([`Settings::apply`]) and read back by the preload
@@ -40,6 +40,9 @@ pub struct Settings {
     /// Which pages leave DRAM.
     pub policy: EvictionPolicy,
     pub encrypt_tier: bool,
+    /// How pages are compressed into the pool in DRAM, and the most DRAM the pool may take.
+    pub compress: Compress,
+    pub compressed_max: Option<u64>,
     /// Record the pages each process brings into DRAM to `record-<pid>.raw` in the stats
     /// directory.
     pub record: bool,
@@ -60,6 +63,8 @@ const FAULTS: &str = "MEMTIDE_FAULTS";
 const POLICY: &str = "MEMTIDE_POLICY";
 const ENCRYPT_TIER: &str = "MEMTIDE_ENCRYPT_TIER";
 const RECORD: &str = "MEMTIDE_RECORD";
+const COMPRESS: &str = "MEMTIDE_COMPRESS";
+const COMPRESSED_MAX: &str = "MEMTIDE_COMPRESSED_MAX";
 
 /// Allocations managed by default: 128 KiB and more.
 pub const DEFAULT_MIN_BYTES: u64 = 128 << 10;
@@ -84,6 +89,8 @@ impl Settings {
             faults: Delivery::Threads,
             policy: EvictionPolicy::default(),
             encrypt_tier: false,
+            compress: Compress::default(),
+            compressed_max: None,
             record: false,
         }
     }
@@ -102,7 +109,8 @@ impl Settings {
             .env(MIN_BYTES, self.min_bytes.to_string())
             .env(STATS_INTERVAL_MS, self.stats_interval_ms.to_string())
             .env(FAULTS, self.faults.name())
-            .env(POLICY, self.policy.name());
+            .env(POLICY, self.policy.name())
+            .env(COMPRESS, self.compress.name());
         // What is not set here must not come from the launcher's own environment either.
         let optional = [
             (
@@ -114,6 +122,10 @@ impl Settings {
             (TIER_MAX, self.tier_max.map(|t| t.to_string().into())),
             (ENCRYPT_TIER, self.encrypt_tier.then(|| "1".into())),
             (RECORD, self.record.then(|| "1".into())),
+            (
+                COMPRESSED_MAX,
+                self.compressed_max.map(|m| m.to_string().into()),
+            ),
         ];
         for (name, value) in optional {
             match value {
@@ -167,6 +179,7 @@ impl Settings {
         let tier_size = size(TIER_SIZE);
         let tier_max = size(TIER_MAX);
         let arena = size(ARENA).unwrap_or(DEFAULT_ARENA);
+        let compressed_max = size(COMPRESSED_MAX);
         let faults = match text(FAULTS) {
             None => Delivery::Threads,
             Some(name) => Delivery::from_name(&name).unwrap_or_else(|| {
@@ -174,6 +187,15 @@ impl Settings {
                     "memtide: {FAULTS}={name}: expected threads or signal; using threads"
                 ));
                 Delivery::Threads
+            }),
+        };
+        let compress = match text(COMPRESS) {
+            None => Compress::default(),
+            Some(name) => Compress::from_name(&name).unwrap_or_else(|| {
+                say(format!(
+                    "memtide: {COMPRESS}={name}: expected lz4 or off; using lz4"
+                ));
+                Compress::default()
             }),
         };
         let policy = match text(POLICY) {
@@ -199,6 +221,8 @@ impl Settings {
             faults,
             policy,
             encrypt_tier: text(ENCRYPT_TIER).is_some_and(|v| v == "1"),
+            compress,
+            compressed_max,
             record: text(RECORD).is_some_and(|v| v == "1"),
         })
     }

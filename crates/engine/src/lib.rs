@@ -18,7 +18,7 @@ pub mod tier;
 pub mod uffd;
 
 pub use engine::{
-    process_rss_bytes, Config, Engine, Event, EvictionPolicy, MemError, PageInfo, Pinned,
+    process_rss_bytes, Compress, Config, Engine, Event, EvictionPolicy, MemError, PageInfo, Pinned,
     StartError,
 };
 pub use signal::Fault;

@@ -1,6 +1,7 @@
 //! The per-page state table: one atomic word per page of the arena, plus side arrays for the
-//! tier-1 slot, the staging slot and the content hash of the tier-1 copy. Entry points:
-//! [`PageTable`], [`State`].
+//! page's copy below DRAM ([`TierCopy`]: a slot of the file, an object of the compressed pool,
+//! or one repeated word), the staging slot and the content hash of that copy. Entry points:
+//! [`PageTable`], [`State`], [`TierCopy`].
 //!
 //! # Invariants
 //!
@@ -9,7 +10,8 @@
 //! - `Writing` is owned by the evictor in the same way.
 //! - A page is `Mapped` only while its bytes are mapped at its address in the arena; `Staged`
 //!   and `Writing` only while its bytes are mapped at its staging slot; `Evicted` only while its
-//!   bytes are in its tier-1 slot and nowhere else.
+//!   bytes are in its copy below DRAM (a file slot, a pool object, a repeated word) and
+//!   nowhere else.
 //! - Every transition out of `Busy`/`Writing` goes through [`PageTable::publish`], which wakes
 //!   waiters.
 
@@ -18,6 +20,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use memtide_policy::Activeness;
 
 use crate::sys::{self, Mapping};
+use crate::tier::Handle;
 
 /// Where a page is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,6 +71,54 @@ const MALLOC_BLOCK: u32 = 1 << 31;
 
 /// No staging slot / no tier slot.
 pub const NONE: u32 = u32::MAX;
+
+/// Where a page's copy below DRAM is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TierCopy {
+    /// A slot of the file (below [`TierCopy::MAX_FILE_SLOTS`]).
+    File(u64),
+    /// An object of the compressed pool.
+    Pool(Handle),
+    /// Every eight-byte word of the page is the one the hash array holds for it (the page
+    /// needs no other copy and no checksum).
+    Same,
+}
+
+impl TierCopy {
+    /// File slots a page's copy can name.
+    pub const MAX_FILE_SLOTS: u64 = POOL_BIT as u64 - 1;
+
+    /// The side array's word: 0 for none, a file slot + 1, [`POOL_BIT`] with a pool handle,
+    /// or [`SAME`].
+    fn encode(c: Option<TierCopy>) -> u32 {
+        match c {
+            None => 0,
+            Some(TierCopy::File(s)) => {
+                debug_assert!(s < Self::MAX_FILE_SLOTS);
+                s as u32 + 1
+            }
+            Some(TierCopy::Pool(h)) => {
+                debug_assert!(h.raw() < POOL_BIT - 1);
+                POOL_BIT | h.raw()
+            }
+            Some(TierCopy::Same) => SAME,
+        }
+    }
+
+    fn decode(v: u32) -> Option<TierCopy> {
+        match v {
+            0 => None,
+            SAME => Some(TierCopy::Same),
+            v if v & POOL_BIT != 0 => Some(TierCopy::Pool(Handle::from_raw(v & !POOL_BIT))),
+            v => Some(TierCopy::File(v as u64 - 1)),
+        }
+    }
+}
+
+/// The bit of a copy word that marks a pool object.
+const POOL_BIT: u32 = 1 << 31;
+/// The copy word of a same-filled page.
+const SAME: u32 = u32::MAX;
 
 /// A decoded page word.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -121,11 +172,11 @@ impl Word {
 /// State words and side arrays for every page of an arena.
 pub struct PageTable {
     words: Mapping,
-    /// Tier-1 slot holding a valid copy of the page, or [`NONE`].
-    slots: Mapping,
+    /// The page's copy below DRAM, encoded by [`TierCopy::encode`].
+    copies: Mapping,
     /// Staging slot while `Staged`/`Writing`, or [`NONE`].
     stages: Mapping,
-    /// xxh3 of the tier-1 copy (valid when the slot is not `NONE`).
+    /// xxh3 of the page's copy below DRAM (valid while it has one); a same-filled page's word.
     hashes: Mapping,
     /// Length in pages of the allocation starting at this page (0 elsewhere).
     lens: Mapping,
@@ -138,7 +189,7 @@ impl PageTable {
     pub fn new(pages: usize) -> std::io::Result<PageTable> {
         let t = PageTable {
             words: Mapping::anon(pages * 4)?,
-            slots: Mapping::anon(pages * 4)?,
+            copies: Mapping::anon(pages * 4)?,
             stages: Mapping::anon(pages * 4)?,
             hashes: Mapping::anon(pages * 8)?,
             lens: Mapping::anon(pages * 4)?,
@@ -159,18 +210,21 @@ impl PageTable {
         Word(self.word(i).load(Ordering::Acquire))
     }
 
-    /// Tier slot of page `i`, if it has a valid tier-1 copy. Slots are stored +1 so that the
-    /// zero-filled array means "none".
-    pub fn slot(&self, i: usize) -> Option<u64> {
-        match self.slots.as_slice::<AtomicU32>()[i].load(Ordering::Acquire) {
-            0 => None,
-            s => Some(s as u64 - 1),
-        }
+    /// Where page `i`'s copy below DRAM is, if it has a valid one.
+    pub fn copy(&self, i: usize) -> Option<TierCopy> {
+        TierCopy::decode(self.copies.as_slice::<AtomicU32>()[i].load(Ordering::Acquire))
     }
 
-    pub fn set_slot(&self, i: usize, slot: Option<u64>) {
-        let v = slot.map_or(0, |s| s as u32 + 1);
-        self.slots.as_slice::<AtomicU32>()[i].store(v, Ordering::Release);
+    pub fn set_copy(&self, i: usize, copy: Option<TierCopy>) {
+        self.copies.as_slice::<AtomicU32>()[i].store(TierCopy::encode(copy), Ordering::Release);
+    }
+
+    /// The file slot of page `i`'s copy, if its copy is in the file.
+    pub fn slot(&self, i: usize) -> Option<u64> {
+        match self.copy(i) {
+            Some(TierCopy::File(s)) => Some(s),
+            _ => None,
+        }
     }
 
     pub fn stage(&self, i: usize) -> u32 {
@@ -414,11 +468,26 @@ mod tests {
     #[test]
     fn side_arrays_default_to_none() {
         let t = PageTable::new(2).unwrap();
-        assert_eq!(t.slot(0), None);
+        assert_eq!(t.copy(0), None);
         assert_eq!(t.stage(0), NONE);
-        t.set_slot(0, Some(0));
         t.set_stage(0, 7);
-        assert_eq!(t.slot(0), Some(0));
         assert_eq!(t.stage(0), 7);
+        for c in [
+            TierCopy::File(0),
+            TierCopy::File(TierCopy::MAX_FILE_SLOTS - 1),
+            TierCopy::Pool(Handle::from_raw(0)),
+            TierCopy::Pool(Handle::from_raw(POOL_BIT - 2)),
+            TierCopy::Same,
+        ] {
+            t.set_copy(1, Some(c));
+            assert_eq!(t.copy(1), Some(c));
+            let file_slot = match c {
+                TierCopy::File(s) => Some(s),
+                _ => None,
+            };
+            assert_eq!(t.slot(1), file_slot);
+        }
+        t.set_copy(1, None);
+        assert_eq!(t.copy(1), None);
     }
 }

@@ -117,8 +117,19 @@ impl LatencyHistogram {
 pub struct Counters {
     /// First touches served with zeros (pages).
     pub faults_zero: AtomicU64,
-    /// Faults served by reading tier 1.
+    /// Faults served from a level below DRAM (the file or the compressed pool).
     pub faults_tier: AtomicU64,
+    /// Of those, faults served from the compressed pool (a decompression, no I/O).
+    pub faults_compressed: AtomicU64,
+    /// Pages stored in the compressed pool as they left DRAM, pages kept as their one
+    /// repeated word, and pages that compressed too little and went to the file.
+    pub compressed_stores: AtomicU64,
+    pub compressed_same: AtomicU64,
+    pub compressed_rejected: AtomicU64,
+    /// Pool objects written back to the file (decompressed) to make room in the pool.
+    pub compressed_spills: AtomicU64,
+    /// Pool copies of pages that are in DRAM again, dropped to give the pool's DRAM back.
+    pub compressed_drops: AtomicU64,
     /// Faults on an inactive page still in DRAM (promoted back without I/O).
     pub faults_inactive: AtomicU64,
     /// Faults that waited for another thread's move of the same page.
@@ -185,6 +196,8 @@ pub struct Counters {
     pub peak_managed_pages: AtomicU64,
     pub tier_read_latency: LatencyHistogram,
     pub fault_tier_latency: LatencyHistogram,
+    /// Faults served from the compressed pool, from the fault to the page mapped.
+    pub fault_compressed_latency: LatencyHistogram,
 }
 
 impl Counters {
@@ -244,6 +257,9 @@ pub struct Snapshot {
     pub discarded_bytes: u64,
     pub faults_zero: u64,
     pub faults_tier: u64,
+    /// Of `faults_tier`, those served from the compressed pool.
+    #[serde(default)]
+    pub faults_compressed: u64,
     pub faults_inactive: u64,
     pub faults_wait: u64,
     pub moves_underreported: u64,
@@ -283,6 +299,33 @@ pub struct Snapshot {
     pub tier_read_latency_p99_us: f64,
     pub fault_tier_latency_p50_us: f64,
     pub fault_tier_latency_p99_us: f64,
+    /// The compressed level: its compressor (`lz4`, or `off`), the DRAM its pool takes (part
+    /// of `dram_bytes`) and may take, the pages it holds and their compressed bytes, and what
+    /// it did (see [`Counters`]). All 0 in statistics from before the level.
+    #[serde(default)]
+    pub compress: String,
+    #[serde(default)]
+    pub compressed_pool_bytes: u64,
+    #[serde(default)]
+    pub compressed_capacity_bytes: u64,
+    #[serde(default)]
+    pub compressed_pages: u64,
+    #[serde(default)]
+    pub compressed_data_bytes: u64,
+    #[serde(default)]
+    pub compressed_stores: u64,
+    #[serde(default)]
+    pub compressed_same: u64,
+    #[serde(default)]
+    pub compressed_rejected: u64,
+    #[serde(default)]
+    pub compressed_spills: u64,
+    #[serde(default)]
+    pub compressed_drops: u64,
+    #[serde(default)]
+    pub fault_compressed_latency_p50_us: f64,
+    #[serde(default)]
+    pub fault_compressed_latency_p99_us: f64,
     /// Tier-1 reads by latency: cumulative counts at upper bounds in microseconds
     /// ([`TIER_READ_BUCKETS_US`]).
     #[serde(default)]
@@ -325,6 +368,15 @@ impl Snapshot {
             return 0.0;
         }
         self.handler_wait_seconds * 1e6 / self.handler_runs as f64
+    }
+
+    /// Pages in the compressed pool per byte of pool DRAM, as a ratio (uncompressed bytes
+    /// over the pool's DRAM); 0 while the pool is empty.
+    pub fn compression_ratio(&self) -> f64 {
+        if self.compressed_pool_bytes == 0 {
+            return 0.0;
+        }
+        (self.compressed_pages * 4096) as f64 / self.compressed_pool_bytes as f64
     }
 
     /// The program's bytes memtide holds — managed pages in DRAM and in tier 1 — as a

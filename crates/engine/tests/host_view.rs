@@ -167,6 +167,8 @@ fn tier_size_changes_at_run_time_and_is_kept() {
     let mut cfg = common::config(&dir, 32 << 20);
     cfg.tier_bytes = Some(64 << 20);
     cfg.tier_max_bytes = Some(128 << 20);
+    // The file alone: its slots and limit are what is tested (these pages would compress).
+    cfg.compress = memtide_engine::Compress::Off;
     let e = common::start(&cfg);
     assert_eq!(e.tier_limit_bytes(), 64 << 20);
     let pages = (24 << 20) / PAGE;
@@ -272,6 +274,8 @@ fn lowered_limit_cuts_the_file(name: &str, encrypt: bool) {
     cfg.tier_bytes = Some(64 << 20);
     cfg.tier_max_bytes = Some(128 << 20);
     cfg.encrypt_tier = encrypt;
+    // The file alone: its slots and limit are what is tested (these pages would compress).
+    cfg.compress = memtide_engine::Compress::Off;
     let e = common::start(&cfg);
     let pages = (24 << 20) / PAGE;
     let base = e.alloc(pages * PAGE, PAGE).unwrap();

@@ -8,8 +8,11 @@
 //! back into managed memory), and finally forks. Meanwhile a thread clears the accessed bits
 //! of every page table entry (as DAMON does on these machines). Every page's whole content is
 //! derived from a version kept in a shadow table, so any lost or corrupted write, or a page
-//! that reads back stale or non-zero after a discard, is a mismatch. The test fails on any
-//! mismatch, and audits the engine's books against the page tables at the end.
+//! that reads back stale or non-zero after a discard, is a mismatch. Half the pages compress
+//! about 2:1 and an eighth 3:1 (they go to the compressed pool, which fills and writes its
+//! oldest back to the file all along), a quarter not at all (straight to the file), and an
+//! eighth are one word repeated. The test fails on any mismatch, and audits the engine's
+//! books against the page tables at the end.
 //!
 //! Runs 40 s by default: `cargo test --release -p memtide-engine --test stress -- --minutes 60`
 //! (or `--seconds N`, or `MEMTIDE_STRESS_SECS`) for a soak. It prints its counts every minute
@@ -36,13 +39,24 @@ fn word(gen: u64, page: usize, version: u32, k: usize) -> u64 {
     if version == 0 {
         return 0;
     }
-    let mut x = gen
-        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        .wrapping_add((page as u64) << 32 | version as u64)
-        .wrapping_add((k as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9));
-    x ^= x >> 31;
-    x = x.wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 29)
+    let mix = |k: u64| {
+        let mut x = gen
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            .wrapping_add((page as u64) << 32 | version as u64)
+            .wrapping_add(k.wrapping_mul(0xBF58_476D_1CE4_E5B9));
+        x ^= x >> 31;
+        x = x.wrapping_mul(0x94D0_49BB_1331_11EB);
+        x ^ (x >> 29)
+    };
+    // Pages of every kind the levels below DRAM treat differently: most compress (into the
+    // pool), some not at all (straight to the file), some are one word repeated (kept as
+    // that word).
+    match page % 8 {
+        0..=3 if k >= PAGE / 16 => 0,
+        6 => mix(0),
+        7 if !k.is_multiple_of(3) => 0,
+        _ => mix(k as u64),
+    }
 }
 
 struct Layout {
@@ -345,13 +359,18 @@ fn main() {
 
 fn counts(world: &World, snap: &memtide_engine::Snapshot) -> String {
     format!(
-        "ops {} mismatches {} | faults zero {} tier {} inactive {} wait {} | demotions {} (clean {}, zero {}) | moves underreported {} | tier errors {}, mismatched reads {} | peak DRAM {} KiB of {} KiB quota",
+        "ops {} mismatches {} | faults zero {} tier {} (pool {}) inactive {} wait {} | pool: {} stored, {} same, {} rejected, {} written back | demotions {} (clean {}, zero {}) | moves underreported {} | tier errors {}, mismatched reads {} | peak DRAM {} KiB of {} KiB quota",
         world.ops.load(Ordering::Relaxed),
         world.mismatches.load(Ordering::Relaxed),
         snap.faults_zero,
         snap.faults_tier,
+        snap.faults_compressed,
         snap.faults_inactive,
         snap.faults_wait,
+        snap.compressed_stores,
+        snap.compressed_same,
+        snap.compressed_rejected,
+        snap.compressed_spills,
         snap.demotions,
         snap.demotions_clean,
         snap.demotions_zero,
@@ -439,6 +458,15 @@ fn stress_eviction_racing_with_access(run_for: Duration, policy: EvictionPolicy)
     assert!(
         snap.faults_inactive > 0,
         "the run must exercise hint faults: {snap:?}"
+    );
+    assert!(
+        snap.faults_compressed > 1000
+            && snap.faults_tier - snap.faults_compressed > 1000
+            && snap.compressed_spills > 1000
+            && snap.compressed_same > 100
+            && snap.compressed_rejected > 100,
+        "the run must exercise both levels: faults from the pool and the file, write-back \
+         from pool to file, same-filled and incompressible pages: {snap:?}"
     );
     assert!(
         snap.peak_dram_bytes <= QUOTA + 2 * (1 << 20),

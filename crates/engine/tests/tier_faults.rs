@@ -66,6 +66,8 @@ fn evicted_block(name: &str, faults: &Arc<TierFaults>) -> (&'static Engine, usiz
     let dir = scratch(name);
     let mut cfg = config(&dir, 2 << 20);
     cfg.tier_faults = Some(faults.clone());
+    // The file's device faults are what is tested: the pool would hold these pages.
+    cfg.compress = memtide_engine::Compress::Off;
     let e = start(&cfg);
     let b = e.alloc(PAGES * PAGE, PAGE).unwrap();
     for i in 0..PAGES {
@@ -301,6 +303,8 @@ fn a_tier_filesystem_that_fills_up_mid_run_keeps_data_in_dram_and_resumes_when_f
     // 24 MiB of filesystem (about 20 usable), 4 MiB of DRAM, 48 MiB of data.
     let fs = SmallFs::new("tierfs", 24);
     let mut cfg = memtide_engine::Config::new(4 << 20, &fs.mount);
+    // A full file is what is tested: the pool would hold these pages.
+    cfg.compress = memtide_engine::Compress::Off;
     cfg.policy = common::policy();
     cfg.arena_bytes = 1 << 30;
     cfg.epoch_ms = 50;

@@ -115,6 +115,11 @@ pub fn eviction_policy(s: &str) -> Result<memtide_engine::EvictionPolicy, String
         .ok_or_else(|| format!("`{s}` is not an eviction policy: write sweep or placement"))
 }
 
+pub fn compress(s: &str) -> Result<memtide_engine::Compress, String> {
+    memtide_engine::Compress::from_name(s)
+        .ok_or_else(|| format!("`{s}` is not a compressor memtide has: write lz4 or off"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

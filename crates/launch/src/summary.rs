@@ -72,10 +72,12 @@ pub fn coverage(peak: &Snapshot) -> f64 {
     }
 }
 
-/// The program's bytes memtide holds: managed pages in DRAM or tier 1 (a clean page is in
-/// both; the allocated pages bound it).
+/// The program's bytes memtide holds: managed pages in DRAM, in the compressed pool (counted
+/// uncompressed, in place of the pool's DRAM) or in tier 1 (a clean page is in two places; the
+/// allocated pages bound it).
 pub fn held(s: &Snapshot) -> u64 {
-    (s.dram_bytes + s.tier_bytes).min(s.managed_bytes)
+    let pages = s.dram_bytes.saturating_sub(s.compressed_pool_bytes);
+    (pages + s.compressed_pages * 4096 + s.tier_bytes).min(s.managed_bytes)
 }
 
 /// Prints the summary of a run to stderr.
@@ -139,6 +141,27 @@ pub fn print(program: &str, status: &str, c: &Collected) {
         }
     );
     eprintln!("           {}", s.tier);
+    if s.compress.is_empty() || s.compress == "off" {
+        eprintln!("  pool     off (--compress off): pages leave DRAM for tier 1 only");
+    } else {
+        eprintln!(
+            "  pool     {}: {} of pages in {} of DRAM ({}), up to {}; {} pages stored, {} same-filled (one word each), {} compressed too little (to tier 1); {} written back to tier 1, {} copies dropped",
+            s.compress,
+            bytes(s.compressed_pages * 4096),
+            bytes(s.compressed_pool_bytes),
+            if s.compressed_pool_bytes > 0 {
+                format!("{:.1}:1", s.compression_ratio())
+            } else {
+                "empty".into()
+            },
+            bytes(s.compressed_capacity_bytes),
+            s.compressed_stores,
+            s.compressed_same,
+            s.compressed_rejected,
+            s.compressed_spills,
+            s.compressed_drops
+        );
+    }
     let lat = if s.faults_tier > 0 {
         format!(
             " (fault p50 {:.0} µs, p99 {:.0} µs; device read p50 {:.0} µs, p99 {:.0} µs: {})",
@@ -151,9 +174,21 @@ pub fn print(program: &str, status: &str, c: &Collected) {
     } else {
         String::new()
     };
+    let pool = if s.faults_compressed > 0 {
+        format!(
+            " (p50 {:.0} µs, p99 {:.0} µs)",
+            s.fault_compressed_latency_p50_us, s.fault_compressed_latency_p99_us
+        )
+    } else {
+        String::new()
+    };
     eprintln!(
-        "  faults   {} first-touch pages, {} from tier 1{lat}, {} inactive hits (no I/O), {} waited on a page in flight",
-        s.faults_zero, s.faults_tier, s.faults_inactive, s.faults_wait
+        "  faults   {} first-touch pages, {} from the pool{pool}, {} from tier 1{lat}, {} inactive hits (no I/O), {} waited on a page in flight",
+        s.faults_zero,
+        s.faults_compressed,
+        s.faults_tier - s.faults_compressed.min(s.faults_tier),
+        s.faults_inactive,
+        s.faults_wait
     );
     eprintln!(
         "  moves    {} promotions ({} read ahead{}), {} demotions ({} clean, {} zero: no write){}",

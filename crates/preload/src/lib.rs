@@ -135,6 +135,8 @@ fn engine_or_start() -> Option<&'static Engine> {
     cfg.faults = s.faults;
     cfg.policy = s.policy;
     cfg.encrypt_tier = s.encrypt_tier;
+    cfg.compress = s.compress;
+    cfg.compressed_max_bytes = s.compressed_max;
     if s.record {
         cfg.record = s.stats_dir.as_ref().map(|d| {
             d.join(format!(

@@ -140,7 +140,7 @@ impl Engine {
         }
         s.epochs = 0;
         s.held_back =
-            self.kernel_access_needs_pins() && !self.quota.wm().near_quota(self.quota.resident());
+            self.kernel_access_needs_pins() && !self.quota.wm().near_quota(self.quota.held());
         if s.held_back {
             // Windows measured before do not describe the program once sampling resumes.
             s.windows = 0;
@@ -150,7 +150,7 @@ impl Engine {
         if extent == 0 {
             return;
         }
-        if self.ring.room() < SAMPLE && !self.quota.wm().over_high(self.quota.resident()) {
+        if self.ring.room() < SAMPLE && !self.quota.wm().over_high(self.quota.held()) {
             self.retire_staged(SAMPLE);
         }
         let room = self.ring.room().min(victims.capacity() as u64) as usize;

@@ -11,11 +11,12 @@ use memtide_policy::{
 };
 
 use super::active::{self, ActiveSampler};
+use super::compressed;
 use super::fatal::fatal;
 use super::policy::Evictor;
 use super::ring::{RING_DEAD, RING_EMPTY};
 use super::Engine;
-use crate::pages::{State, NONE};
+use crate::pages::{State, TierCopy, NONE};
 use crate::stats::Counters;
 use crate::sys;
 
@@ -59,6 +60,12 @@ impl Engine {
             {
                 self.reclaim_tier(Watermarks::MAX_BATCH * 4);
             }
+            if let Some(c) = &self.compressed {
+                if c.pool.pages() > c.pool.capacity_pages() {
+                    // The quota was lowered: the pool gives back what it no longer may hold.
+                    self.spill(compressed::SPILL_BATCH);
+                }
+            }
             if self.file.full.load(Ordering::Acquire) && (new_epoch || self.tier_has_room()) {
                 // Try again: the program freed slots, or the filesystem may have room now.
                 self.file.full.store(false, Ordering::Release);
@@ -91,7 +98,7 @@ impl Engine {
 
             let k = self.bell.seen();
             self.bell.set_sleeping(true);
-            if !self.quota.wm().over_high(self.quota.resident())
+            if !self.quota.wm().over_high(self.quota.held())
                 || !self.tier_usable()
                 || self.detached.load(Ordering::Acquire)
             {
@@ -104,9 +111,10 @@ impl Engine {
         }
     }
 
-    /// Whether eviction can write to tier 1 now.
-    fn tier_usable(&self) -> bool {
-        self.file.usable()
+    /// Whether eviction can take pages out of DRAM now: the file takes them, or the
+    /// compressed pool has room.
+    pub(super) fn tier_usable(&self) -> bool {
+        self.file.usable() || self.compressed.as_ref().is_some_and(|c| c.has_room())
     }
 
     /// Whether tier 1 has free slots within its limit (after it was found full).
@@ -162,7 +170,7 @@ impl Engine {
                 continue;
             }
             if let Some(s) = self.pt.slot(i) {
-                self.pt.set_slot(i, None);
+                self.pt.set_copy(i, None);
                 freed.push(s);
                 in_use -= 1;
             }
@@ -232,7 +240,7 @@ impl Engine {
             {
                 let mut s = self.file.slots();
                 if ok {
-                    self.pt.set_slot(i, Some(new));
+                    self.pt.set_copy(i, Some(TierCopy::File(new)));
                     s.free(old);
                     moved += 1;
                     Counters::add(&self.counters.tier_read_bytes, PAGE_SIZE as u64);
@@ -252,6 +260,7 @@ impl Engine {
     /// epoch or the one before, and the populated pages (neither free nor never touched).
     fn age_all(&self) -> (u64, u64) {
         let hw = self.high_water.load(Ordering::Acquire);
+        self.drop_mapped_copies(hw);
         let (mut active, mut populated) = (0u64, 0u64);
         for i in 0..hw {
             let w = self.pt.load(i);
@@ -364,10 +373,7 @@ impl Engine {
     /// fork, pinned by the kernel for I/O): it stays mapped.
     fn handle_unmovable(&self, p: usize) {
         if self.presence(self.addr_of(p)) == sys::Presence::Absent {
-            if let Some(s) = self.pt.slot(p) {
-                self.file.slots().free(s);
-                self.pt.set_slot(p, None);
-            }
+            self.forget_copy(p);
             self.quota.unreserve(1);
             self.pt.publish(p, State::Unpopulated, None);
         } else {
@@ -484,25 +490,35 @@ impl Engine {
             // SAFETY: as above.
             let bytes = unsafe { std::slice::from_raw_parts(a as *const u8, PAGE_SIZE) };
             let h = xxhash_rust::xxh3::xxh3_64(bytes);
-            if self.pt.slot(p).is_some() && self.pt.hash(p) == h {
+            let kept = matches!(self.pt.copy(p), Some(TierCopy::File(_) | TierCopy::Pool(_)));
+            if kept && self.pt.hash(p) == h {
                 clean += 1;
             } else {
                 dirty.push((p, s, h));
             }
         }
         let mut failed: Vec<(usize, u32)> = Vec::new();
+        let mut to_file: Vec<(usize, u32, u64)> = Vec::new();
         if !dirty.is_empty() {
-            self.write_dirty(&dirty, &mut failed);
+            self.compress_out(&dirty, &mut to_file);
+        }
+        if !to_file.is_empty() {
+            let addrs: Vec<(usize, usize, u64)> = to_file
+                .iter()
+                .map(|&(p, s, h)| (p, self.ring.addr(s), h))
+                .collect();
+            let written = if self.file.usable() {
+                self.write_to_file(&addrs)
+            } else {
+                0
+            };
+            if written < to_file.len() {
+                self.keep_in_dram(&to_file[written..], &mut failed);
+            }
         }
         // Publish: written and clean pages are evicted; zero pages drop their tier copy.
-        {
-            let mut slots = self.file.slots();
-            for &p in &gone {
-                if let Some(s) = self.pt.slot(p) {
-                    slots.free(s);
-                    self.pt.set_slot(p, None);
-                }
-            }
+        for &p in &gone {
+            self.forget_copy(p);
         }
         let mut left = 0u64;
         for &(p, s) in writing.iter() {
@@ -536,18 +552,20 @@ impl Engine {
         }
     }
 
-    /// Writes dirty pages to runs of consecutive tier slots, all runs at once. Pages that could
-    /// not be written are pushed to `failed`, and tier 1 is marked failed (eviction stops, data
-    /// stays in DRAM).
-    fn write_dirty(&self, dirty: &[(usize, u32, u64)], failed: &mut Vec<(usize, u32)>) {
+    /// Writes pages (each ours: page, address of its bytes, hash) to runs of consecutive
+    /// slots of the file, all runs at once; each page written has its copy there (an older
+    /// copy, in the file or the pool, is freed). Returns how many pages from the first on were
+    /// written: on a write error none (the file is marked failed: eviction to it stops), when
+    /// the file is full those that found slots (it is marked full until it has room).
+    pub(super) fn write_to_file(&self, pages: &[(usize, usize, u64)]) -> usize {
         // Slots first: as many runs as it takes.
         let mut runs: Vec<(u64, usize, usize)> = Vec::new();
         let mut k = 0;
         let mut full = false;
         {
             let mut slots = self.file.slots();
-            while k < dirty.len() {
-                match slots.alloc_run((dirty.len() - k) as u64, |n| {
+            while k < pages.len() {
+                match slots.alloc_run((pages.len() - k) as u64, |n| {
                     self.file.backend.grow(n).is_ok()
                 }) {
                     Some((first, n)) => {
@@ -562,10 +580,7 @@ impl Engine {
             }
         }
         let written = k;
-        let addrs: Vec<usize> = dirty[..written]
-            .iter()
-            .map(|&(_, s, _)| self.ring.addr(s))
-            .collect();
+        let addrs: Vec<usize> = pages[..written].iter().map(|&(_, a, _)| a).collect();
         let io: Vec<(u64, &[usize])> = runs
             .iter()
             .map(|&(first, start, n)| (first, &addrs[start..start + n]))
@@ -573,44 +588,37 @@ impl Engine {
         let res = if io.is_empty() {
             Ok(())
         } else {
-            // SAFETY: every address is a mapped staging page owned by us (Writing).
+            // SAFETY: every address is a mapped page whose page is ours (Writing or Busy).
             unsafe { self.file.backend.write_runs(&io) }
         };
-        let mut slots = self.file.slots();
-        match res {
-            Ok(()) => {
-                Counters::add(
-                    &self.counters.tier_write_bytes,
-                    (written * PAGE_SIZE) as u64,
-                );
-                Counters::add(&self.counters.tier_write_ops, runs.len() as u64);
-                for &(first, start, n) in &runs {
-                    for (j, &(p, _, h)) in dirty[start..start + n].iter().enumerate() {
-                        if let Some(old) = self.pt.slot(p) {
-                            slots.free(old);
-                        }
-                        self.pt.set_slot(p, Some(first + j as u64));
-                        self.pt.set_hash(p, h);
-                    }
-                }
-            }
-            Err(e) => {
-                Counters::bump(&self.counters.tier_errors);
+        if let Err(e) = res {
+            Counters::bump(&self.counters.tier_errors);
+            {
+                let mut slots = self.file.slots();
                 for &(first, _, n) in &runs {
                     for j in 0..n as u64 {
                         slots.free(first + j);
                     }
                 }
-                drop(slots);
-                self.warn(format!(
-                    "writing to tier 1 failed ({e}); keeping further pages in DRAM"
-                ));
-                self.file.failed.store(true, Ordering::Release);
-                self.keep_in_dram(dirty, failed);
-                return;
+            }
+            self.warn(format!(
+                "writing to tier 1 failed ({e}); keeping further pages in DRAM"
+            ));
+            self.file.failed.store(true, Ordering::Release);
+            return 0;
+        }
+        Counters::add(
+            &self.counters.tier_write_bytes,
+            (written * PAGE_SIZE) as u64,
+        );
+        Counters::add(&self.counters.tier_write_ops, runs.len() as u64);
+        for &(first, start, n) in &runs {
+            for (j, &(p, _, h)) in pages[start..start + n].iter().enumerate() {
+                self.forget_copy(p);
+                self.pt.set_copy(p, Some(TierCopy::File(first + j as u64)));
+                self.pt.set_hash(p, h);
             }
         }
-        drop(slots);
         if full {
             self.warn(format!(
                 "tier 1 is full or cannot grow ({}); keeping further pages in DRAM until it has room",
@@ -619,8 +627,8 @@ impl Engine {
             self.file.full.store(true, Ordering::Release);
             // Tier copies of pages also in DRAM can make room for more evictions.
             self.file.reclaim.store(true, Ordering::Release);
-            self.keep_in_dram(&dirty[written..], failed);
         }
+        written
     }
 
     /// Tier 1 cannot take `rest`: they go back to the program, and faulting threads are let
@@ -717,7 +725,7 @@ struct Pressure<'a> {
 
 impl Relieve for Pressure<'_> {
     fn resident(&self) -> u64 {
-        self.engine.quota.resident()
+        self.engine.quota.held()
     }
 
     fn inactive(&self) -> u64 {

@@ -17,7 +17,7 @@ use memtide_policy::{Activeness, PAGE_SIZE};
 
 use super::fatal::{fatal, fatal_with, presence_code};
 use super::{Engine, Event, Fault};
-use crate::pages::{State, Word, NONE};
+use crate::pages::{State, TierCopy, Word, NONE};
 use crate::stats::Counters;
 use crate::sys::{self, Mapping};
 
@@ -284,7 +284,14 @@ impl Engine {
     /// # Safety
     ///
     /// `src..src+n*PAGE_SIZE` must be readable; pages `first..first+n` must be ours.
-    unsafe fn fill(&self, first: usize, src: usize, n: usize, keep_present: bool, what: &str) {
+    pub(super) unsafe fn fill(
+        &self,
+        first: usize,
+        src: usize,
+        n: usize,
+        keep_present: bool,
+        what: &str,
+    ) {
         // SAFETY: the caller's contract.
         let Err(e) = (unsafe { self.uffd.copy(self.addr_of(first), src, n * PAGE_SIZE) }) else {
             return;
@@ -502,27 +509,32 @@ impl Engine {
         xxhash_rust::xxh3::xxh3_64(bytes) == self.pt.hash(q)
     }
 
-    /// A touch of an evicted page: read it (and, on a sequential run, its neighbours) from
-    /// tier 1 and map it.
+    /// A touch of an evicted page: decompress it from the pool, or read it (and, on a
+    /// sequential run, its neighbours) from the file, and map it.
     fn fetch(&self, p: usize) -> bool {
         let t0 = sys::now_ns();
-        // Read-ahead grows with the run of faults that each start where the last read ended
-        // (one page gap allowed): none for the first two (an object spanning two pages is
-        // not a stream), then 2, 4, 8, 16 pages; the first reads the next page too while
-        // pairs are common.
-        let (window, pair) = self.file.sequential.window(p);
         self.reserve(1);
         let Some(old) = self.pt.claim(p, State::Evicted, false) else {
             self.quota.unreserve(1);
             return false;
         };
-        let Some(slot) = self.pt.slot(p) else {
-            fatal_with(
-                "an evicted page has no tier slot",
+        let slot = match self.pt.copy(p) {
+            Some(TierCopy::File(slot)) => slot,
+            Some(copy) => {
+                self.fetch_compressed(p, old, copy, t0);
+                return true;
+            }
+            None => fatal_with(
+                "an evicted page has no copy below DRAM",
                 &[("page", p as u64), ("word", old.0 as u64)],
                 &io::Error::from_raw_os_error(libc::EFAULT),
-            );
+            ),
         };
+        // Read-ahead grows with the run of faults that each start where the last read ended
+        // (one page gap allowed): none for the first two (an object spanning two pages is
+        // not a stream), then 2, 4, 8, 16 pages; the first reads the next page too while
+        // pairs are common.
+        let (window, pair) = self.file.sequential.window(p);
         // Read-ahead: the following evicted pages whose slots follow on.
         let mut n = 1;
         if window > 1 {

@@ -35,6 +35,7 @@
 //!   flight); a faulting thread reserves quota before it claims a page.
 
 mod active;
+mod compressed;
 mod evict;
 mod fatal;
 mod fault;
@@ -57,7 +58,7 @@ use memtide_policy::{Watermarks, PAGE_SIZE};
 
 use crate::arena::RangeAlloc;
 use crate::inject::Inject;
-use crate::pages::{PageTable, State};
+use crate::pages::{PageTable, State, TierCopy};
 pub use crate::signal::Fault;
 use crate::signal::FaultHandler;
 use crate::stats::{Counters, Snapshot};
@@ -65,8 +66,10 @@ use crate::sys::{self, Mapping};
 use crate::threads::SchedStat;
 use crate::tier::{self, Encrypted, Faulty, FileTier, SlotMap, TierFaults, TierOpenError};
 use crate::uffd::{Delivery, MoveReport, OpenError, Uffd};
+pub use compressed::Compress;
 pub use policy::EvictionPolicy;
 
+use compressed::Compressed;
 use fault::BouncePool;
 use place::Arrivals;
 use quota::{Doorbell, Quota};
@@ -103,6 +106,12 @@ pub struct Config {
     pub encrypt_tier: bool,
     /// Which pages leave DRAM: the CLOCK sweep (the default) or the placement queues.
     pub policy: EvictionPolicy,
+    /// How pages are compressed into the pool in DRAM before the file (LZ4 by default; `Off`:
+    /// no compressed level).
+    pub compress: Compress,
+    /// The most DRAM the compressed pool may take, in bytes, within the quota (default: a
+    /// quarter of the quota; never more than three quarters).
+    pub compressed_max_bytes: Option<u64>,
     /// For tests: device faults to inject in front of the tier file.
     #[doc(hidden)]
     pub tier_faults: Option<Arc<TierFaults>>,
@@ -121,6 +130,8 @@ impl Config {
             faults: Delivery::Threads,
             encrypt_tier: false,
             policy: EvictionPolicy::Sweep,
+            compress: Compress::Lz4,
+            compressed_max_bytes: None,
             record: None,
             tier_faults: None,
         }
@@ -136,6 +147,8 @@ pub enum StartError {
     Tier(#[from] TierOpenError),
     #[error("the DRAM quota must be at least 64 KiB")]
     QuotaTooSmall,
+    #[error("the compressed pool's size ({0} bytes) must be less than the DRAM quota")]
+    PoolTooLarge(u64),
     #[error("cannot {what}: {source}")]
     Io {
         what: &'static str,
@@ -164,7 +177,11 @@ pub enum MemError {
 pub struct PageInfo {
     /// `Free`, `Unpopulated`, `Mapped`, `Staged`, `Writing`, `Evicted` or `Busy`.
     pub state: String,
+    /// The file slot of its copy, if its copy is in the file.
     pub tier_slot: Option<u64>,
+    /// Which level its copy below DRAM is in: `file`, `compressed` (a pool object or a
+    /// repeated word), or none.
+    pub level: Option<&'static str>,
     pub pins: u32,
     /// The program gave it a protection other than read-write.
     pub protected: bool,
@@ -179,7 +196,8 @@ pub struct Engine {
     ring: StagingRing,
     pt: PageTable,
     uffd: Uffd,
-    /// Tier 1: the file, the one level below DRAM today.
+    /// The levels below DRAM: the compressed pool (unless compression is off), then the file.
+    compressed: Option<Compressed>,
     file: Store,
     ranges: Mutex<RangeAlloc>,
     high_water: AtomicUsize,
@@ -233,7 +251,12 @@ impl Engine {
         if let Some(faults) = &cfg.tier_faults {
             tier = Box::new(Faulty::new(tier, faults.clone()));
         }
-        let slots_of = |b: u64| (b / PAGE_SIZE as u64).min(u32::MAX as u64 - 2);
+        if let Some(m) = cfg.compressed_max_bytes {
+            if m >= cfg.dram_bytes {
+                return Err(StartError::PoolTooLarge(m));
+            }
+        }
+        let slots_of = |b: u64| (b / PAGE_SIZE as u64).min(TierCopy::MAX_FILE_SLOTS - 1);
         let tier_limit = slots_of(cfg.tier_bytes.unwrap_or(cfg.arena_bytes));
         let tier_cap = cfg
             .tier_max_bytes
@@ -254,6 +277,17 @@ impl Engine {
             needs.extra_staging + wm_max.inactive_target + 4 * wm_max.batch + active::SAMPLE,
         )
         .map_err(io_err("reserve the staging area"))?;
+        let compressed = match cfg.compress {
+            Compress::Off => None,
+            Compress::Lz4 => Some(
+                Compressed::new(
+                    quota_pages,
+                    quota_pages.saturating_mul(4).max(16 << 18),
+                    cfg.compressed_max_bytes.map(|b| b / PAGE_SIZE as u64),
+                )
+                .map_err(io_err("reserve the compressed pool"))?,
+            ),
+        };
         let arrivals = needs
             .arrivals
             .then(Arrivals::new)
@@ -280,6 +314,7 @@ impl Engine {
         let engine = Box::leak(Box::new(Engine {
             ring,
             pt: PageTable::new(arena_pages).map_err(io_err("map the page table"))?,
+            compressed,
             file: Store::new(
                 tier,
                 SlotMap::new(tier_limit, tier_cap),
@@ -412,6 +447,9 @@ impl Engine {
     /// the managed memory fits again.
     pub fn set_quota_bytes(&self, bytes: u64) -> u64 {
         let q = self.quota.set(bytes / PAGE_SIZE as u64);
+        if let Some(c) = &self.compressed {
+            c.quota_changed(q);
+        }
         self.quota.wake_waiters();
         self.bell.ring_always();
         q * PAGE_SIZE as u64
@@ -448,9 +486,9 @@ impl Engine {
         self.counters.managed_pages.load(Ordering::Relaxed)
     }
 
-    /// Pages currently holding DRAM.
+    /// Pages currently holding DRAM: the program's pages and the compressed pool's.
     pub fn resident_pages(&self) -> u64 {
-        self.quota.resident()
+        self.quota.held()
     }
 
     /// Where the page tables say the page at `addr` is. The engine cannot go on without
@@ -491,7 +529,13 @@ impl Engine {
             (s.in_use(), s.len(), s.limit())
         };
         let status = StatusMemory::read();
-        let dram_bytes = self.quota.resident() * page;
+        let dram_bytes = self.quota.held() * page;
+        let (pool, pool_capacity) = self
+            .compressed
+            .as_ref()
+            .map_or((Default::default(), 0), |c| {
+                (c.pool.stats(), c.pool.capacity_pages() * page)
+            });
         let handlers = self
             .handler_tids
             .lock()
@@ -528,6 +572,7 @@ impl Engine {
             discarded_bytes: r(&c.discarded_pages) * page,
             faults_zero: r(&c.faults_zero),
             faults_tier: r(&c.faults_tier),
+            faults_compressed: r(&c.faults_compressed),
             faults_inactive: r(&c.faults_inactive),
             faults_wait: r(&c.faults_wait),
             moves_underreported: r(&c.moves_underreported),
@@ -554,6 +599,22 @@ impl Engine {
             tier_read_latency_p99_us: c.tier_read_latency.quantile_us(0.99),
             fault_tier_latency_p50_us: c.fault_tier_latency.quantile_us(0.5),
             fault_tier_latency_p99_us: c.fault_tier_latency.quantile_us(0.99),
+            compress: if self.compressed.is_some() {
+                Compress::Lz4.name().into()
+            } else {
+                Compress::Off.name().into()
+            },
+            compressed_pool_bytes: pool.pool_bytes,
+            compressed_capacity_bytes: pool_capacity,
+            compressed_pages: pool.objects,
+            compressed_data_bytes: pool.compressed_bytes,
+            compressed_stores: r(&c.compressed_stores),
+            compressed_same: r(&c.compressed_same),
+            compressed_rejected: r(&c.compressed_rejected),
+            compressed_spills: r(&c.compressed_spills),
+            compressed_drops: r(&c.compressed_drops),
+            fault_compressed_latency_p50_us: c.fault_compressed_latency.quantile_us(0.5),
+            fault_compressed_latency_p99_us: c.fault_compressed_latency.quantile_us(0.99),
             tier_read_latency_buckets: c
                 .tier_read_latency
                 .cumulative(&crate::stats::TIER_READ_BUCKETS_US),
@@ -584,9 +645,9 @@ impl Engine {
         let p = self.page_of(addr);
         let w = self.pt.load(p);
         format!(
-            "page {p}: {:?}, tier slot {:?}, stage {}, arena {:?}",
+            "page {p}: {:?}, copy {:?}, stage {}, arena {:?}",
             w.state(),
-            self.pt.slot(p),
+            self.pt.copy(p),
             self.pt.stage(p) as i64,
             self.pagemap.of(addr).ok()
         )
@@ -603,6 +664,10 @@ impl Engine {
         Some(PageInfo {
             state: format!("{:?}", w.state()),
             tier_slot: self.pt.slot(p),
+            level: self.pt.copy(p).map(|c| match c {
+                TierCopy::File(_) => "file",
+                TierCopy::Pool(_) | TierCopy::Same => "compressed",
+            }),
             pins: w.pins(),
             protected: w.protected(),
         })
@@ -670,8 +735,8 @@ impl Engine {
                         return Err(format!("page {i} is staged at slot {s}, which is empty"));
                     }
                 }
-                State::Evicted if self.pt.slot(i).is_none() => {
-                    return Err(format!("page {i} is evicted without a tier slot"))
+                State::Evicted if self.pt.copy(i).is_none() => {
+                    return Err(format!("page {i} is evicted without a copy below DRAM"))
                 }
                 State::Busy => return Err(format!("page {i} is busy while the engine is idle")),
                 _ => {}

@@ -196,10 +196,10 @@ impl Engine {
             pl.quota = wm.quota;
         }
         let mut relief = Relief::Calm;
-        if wm.over_high(self.quota.resident()) {
+        if wm.over_high(self.quota.held()) {
             relief = Relief::Relieved;
             loop {
-                let resident = self.quota.resident();
+                let resident = self.quota.held();
                 if wm.under_low(resident) {
                     break;
                 }
@@ -220,10 +220,7 @@ impl Engine {
                 for &p in &pl.failed {
                     pl.placement.arrived(p);
                 }
-                if self.file.failed.load(Ordering::Acquire)
-                    || self.file.full.load(Ordering::Acquire)
-                    || self.pause.load(Ordering::Acquire)
-                {
+                if !self.tier_usable() || self.pause.load(Ordering::Acquire) {
                     return Relief::Stopped;
                 }
                 if staged + left == 0 {
@@ -236,7 +233,7 @@ impl Engine {
                 self.take_arrivals(pl, false);
             }
         }
-        let resident = self.quota.resident();
+        let resident = self.quota.held();
         if wm.near_quota(resident) {
             loop {
                 let room = self.stage_room();

@@ -7,6 +7,8 @@
 //!
 //! - `resident` counts pages holding DRAM (mapped, staged, writing, dead ring entries, or in
 //!   flight); a thread reserves before it claims a page and gives back what it did not use.
+//! - The quota bounds what the engine holds ([`Quota::held`]): those pages plus the pages of
+//!   the compressed pool.
 //! - A waiting thread never waits unboundedly: it re-checks every 10 ms, and the evictor lets
 //!   threads through above the quota (`overcommit`) when it cannot make room.
 
@@ -57,6 +59,8 @@ pub(super) struct Quota {
     /// The quota in pages; it may change at run time ([`set`](Self::set)).
     pages: AtomicU64,
     resident: AtomicU64,
+    /// Pages of DRAM the compressed pool takes (set by whoever changes it).
+    pool: AtomicU64,
     /// Bumped and woken when the evictor frees DRAM.
     freed: AtomicU32,
     waiters: AtomicU32,
@@ -72,6 +76,7 @@ impl Quota {
         Quota {
             pages: AtomicU64::new(Watermarks::for_quota(pages).quota),
             resident: AtomicU64::new(0),
+            pool: AtomicU64::new(0),
             freed: AtomicU32::new(0),
             waiters: AtomicU32::new(0),
             overcommit: AtomicBool::new(false),
@@ -97,12 +102,24 @@ impl Quota {
         self.resident.load(Ordering::Acquire)
     }
 
+    /// Pages of DRAM the engine holds now: resident pages and the compressed pool's.
+    pub(super) fn held(&self) -> u64 {
+        self.resident() + self.pool.load(Ordering::Acquire)
+    }
+
+    /// The compressed pool takes `pages` of DRAM now.
+    pub(super) fn set_pool(&self, pages: u64) {
+        self.pool.store(pages, Ordering::Release);
+    }
+
     /// Reserves DRAM for `n` pages, waiting for the evictor if the quota is used up.
     pub(super) fn reserve(&self, n: u64, bell: &Doorbell, c: &Counters) {
         loop {
             let wm = self.wm();
             let limit = wm.hard_limit();
-            let r = self.resident.fetch_add(n, Ordering::AcqRel) + n;
+            let r = self.resident.fetch_add(n, Ordering::AcqRel)
+                + n
+                + self.pool.load(Ordering::Acquire);
             if wm.over_high(r) {
                 bell.ring();
             }
@@ -120,9 +137,7 @@ impl Quota {
             let seen = self.freed.load(Ordering::Acquire);
             Counters::bump(&c.quota_waits);
             self.waiters.fetch_add(1, Ordering::AcqRel);
-            if self.resident.load(Ordering::Acquire) + n > limit
-                && !self.overcommit.load(Ordering::Acquire)
-            {
+            if self.held() + n > limit && !self.overcommit.load(Ordering::Acquire) {
                 bell.ring();
                 sys::futex_wait(&self.freed, seen, 10_000_000);
             }

@@ -14,7 +14,7 @@ use memtide_policy::{Activeness, PAGE_SIZE};
 use super::fatal::fatal;
 use super::ring::{RING_DEAD, RING_EMPTY};
 use super::{prepare, Engine, MemError};
-use crate::pages::{State, NONE};
+use crate::pages::{State, TierCopy, NONE};
 use crate::stats::Counters;
 use crate::sys;
 
@@ -80,6 +80,7 @@ impl Engine {
     /// pages, frees tier slots, marks staged pages dead for the evictor.
     fn drop_contents(&self, taken: &[(usize, State)]) {
         let mut mapped = 0u64;
+        let mut pool_freed = Vec::new();
         {
             let mut slots = self.file.slots();
             for &(i, st) in taken {
@@ -113,12 +114,15 @@ impl Engine {
                     }
                     _ => {}
                 }
-                if let Some(s) = self.pt.slot(i) {
-                    slots.free(s);
-                    self.pt.set_slot(i, None);
+                match self.pt.copy(i) {
+                    Some(TierCopy::File(s)) => slots.free(s),
+                    Some(TierCopy::Pool(h)) => pool_freed.push(h),
+                    _ => {}
                 }
+                self.pt.set_copy(i, None);
             }
         }
+        self.free_pool_objects(&pool_freed);
         // Zap exactly the pages we claimed that hold memory in the arena, in runs: a Free
         // page of the range is not ours, and another thread may be allocating and touching it
         // right now. (After a fork fallback the arena is plain memory, where any claimed page
@@ -574,10 +578,7 @@ impl Engine {
                 if self.presence(self.addr_of(q)) == sys::Presence::Absent {
                     // Zapped behind our back: it reads as zeros, at its new address too.
                     taken[start + d].1 = State::Unpopulated;
-                    if let Some(s) = self.pt.slot(q) {
-                        self.file.slots().free(s);
-                        self.pt.set_slot(q, None);
-                    }
+                    self.forget_copy(q);
                     self.quota.unreserve(1);
                     continue;
                 }
@@ -599,10 +600,13 @@ impl Engine {
         for &(i, st) in &taken {
             let j = to + (i - from);
             let h = self.pt.load(i).history();
-            if let Some(s) = self.pt.slot(i) {
-                self.pt.set_slot(j, Some(s));
+            if let Some(c) = self.pt.copy(i) {
                 self.pt.set_hash(j, self.pt.hash(i));
-                self.pt.set_slot(i, None);
+                self.pt.set_copy(j, Some(c));
+                self.pt.set_copy(i, None);
+                if let TierCopy::Pool(h) = c {
+                    self.pool_order_push(j, h);
+                }
             }
             if st == State::Staged {
                 // Order matters to the evictor reading the ring concurrently: the new page
@@ -689,6 +693,8 @@ impl Engine {
                 self.handle_fault(self.addr_of(i));
             }
         }
+        // Every page is in DRAM: the compressed pool's copies are of no more use.
+        self.drop_mapped_copies(hw);
         // Lent ranges are the program's own mappings, never registered (and UFFDIO_UNREGISTER
         // refuses a range holding a file mapping): unregister around them.
         let lent = |i: usize| i < hw && self.pt.load(i).state() == State::Lent;

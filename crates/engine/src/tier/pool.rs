@@ -4,8 +4,8 @@
 //! as that word alone ([`Stored::Same`]); one that compresses worse than [`MAX_OBJECT`] is
 //! refused ([`Stored::TooBig`]) and belongs in the file.
 //!
-//! Not wired into the engine yet: the engine's levels (`engine/store.rs`) come first. What is
-//! here is the pool's own contract, tested on its own. Entry point: [`Pool`].
+//! The engine's compressed level (`engine/compressed.rs`) keeps one pool; this file is the
+//! pool's own contract, tested on its own. Entry point: [`Pool`].
 //!
 //! # Layout
 //!
@@ -29,7 +29,7 @@
 //! the engine checks a loaded page against its checksum, as it does pages read from the file.
 
 use std::io;
-use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use crate::sys::{self, Mapping};
@@ -47,6 +47,9 @@ const MAX_CHUNK_PAGES: usize = 4;
 const SLOT: usize = MAX_CHUNK_PAGES * PAGE;
 /// A chunk slot's class while no chunk is in it.
 const NO_CLASS: u16 = u16::MAX;
+/// The most chunks a pool has: a handle's number stays below 2^31 - 1, so that the page
+/// table can mark it with the top bit of a word and keep one value besides.
+const MAX_CHUNKS: usize = (1 << 23) - 1;
 
 /// Object size of class `class`.
 fn class_size(class: usize) -> usize {
@@ -135,8 +138,10 @@ struct Inner {
 /// A compressed pool of up to `capacity` bytes of DRAM.
 pub struct Pool {
     memory: Mapping,
-    /// The most pages its chunks may take.
-    capacity_pages: u64,
+    /// The most pages its chunks may take now ([`set_capacity`](Self::set_capacity)).
+    capacity_pages: AtomicU64,
+    /// Pages its chunks take now (as `Inner::pages`, readable without the lock).
+    pages_now: AtomicU64,
     /// Each chunk slot's class, or [`NO_CLASS`]: read by `load` without the lock.
     class_of: Box<[AtomicU16]>,
     inner: Mutex<Inner>,
@@ -155,12 +160,12 @@ pub struct PoolStats {
 
 impl Pool {
     /// A pool that may use up to `capacity` bytes (rounded down to pages): address space now,
-    /// DRAM as pages are stored.
-    pub fn new(capacity: usize) -> io::Result<Pool> {
-        // A chunk slot per page of capacity: chunks of one page take a slot of four, the
-        // rest of which stays address space.
+    /// DRAM as pages are stored. Its capacity may be raised later up to `max` bytes.
+    pub fn new(capacity: usize, max: usize) -> io::Result<Pool> {
+        // A chunk slot per page of the largest capacity: chunks of one page take a slot of
+        // four, the rest of which stays address space.
         let capacity_pages = (capacity / PAGE).max(1);
-        let slots = capacity_pages;
+        let slots = (max / PAGE).max(capacity_pages).min(MAX_CHUNKS);
         let classes = (0..CLASSES)
             .map(|k| {
                 let (chunk_pages, per_chunk) = chunk_shape(class_size(k));
@@ -173,7 +178,8 @@ impl Pool {
             .collect();
         Ok(Pool {
             memory: Mapping::anon(slots * SLOT)?,
-            capacity_pages: capacity_pages as u64,
+            capacity_pages: AtomicU64::new(capacity_pages as u64),
+            pages_now: AtomicU64::new(0),
             class_of: (0..slots).map(|_| AtomicU16::new(NO_CLASS)).collect(),
             inner: Mutex::new(Inner {
                 classes,
@@ -231,13 +237,13 @@ impl Pool {
             Some(&c) => c,
             None => {
                 let pages = inner.classes[class].chunk_pages;
-                if inner.pages + pages as u64 > self.capacity_pages {
+                if inner.pages + pages as u64 > self.capacity_pages.load(Ordering::Relaxed) {
                     return None;
                 }
                 let c = match inner.free_chunks.pop() {
                     Some(c) => c,
                     None => {
-                        if inner.chunks.len() >= self.class_of.len().min(1 << 24) {
+                        if inner.chunks.len() >= self.class_of.len() {
                             return None;
                         }
                         inner.chunks.push(Chunk::default());
@@ -248,6 +254,7 @@ impl Pool {
                 // Before any object of it is handed out, so that `load` finds it.
                 self.class_of[c].store(class as u16, Ordering::Release);
                 inner.pages += pages as u64;
+                self.pages_now.store(inner.pages, Ordering::Release);
                 inner.classes[class].partial.push(c);
                 c
             }
@@ -337,9 +344,29 @@ impl Pool {
             self.class_of[h.chunk()].store(NO_CLASS, Ordering::Release);
             inner.free_chunks.push(h.chunk());
             inner.pages -= pages as u64;
+            self.pages_now.store(inner.pages, Ordering::Release);
         } else if was_full {
             inner.classes[class].partial.push(h.chunk());
         }
+    }
+
+    /// Pages of DRAM the pool's chunks take now (no lock).
+    pub fn pages(&self) -> u64 {
+        self.pages_now.load(Ordering::Acquire)
+    }
+
+    /// The most pages the pool may take.
+    pub fn capacity_pages(&self) -> u64 {
+        self.capacity_pages.load(Ordering::Acquire)
+    }
+
+    /// Sets the most pages the pool may take (at most what its address space holds). A pool
+    /// above its new capacity takes nothing more until objects are freed. Returns the
+    /// capacity in force.
+    pub fn set_capacity(&self, pages: u64) -> u64 {
+        let c = pages.clamp(1, self.class_of.len() as u64);
+        self.capacity_pages.store(c, Ordering::Release);
+        c
     }
 
     pub fn stats(&self) -> PoolStats {
@@ -373,7 +400,7 @@ mod tests {
 
     #[test]
     fn a_page_comes_back_as_it_went_in_or_is_refused() {
-        let pool = Pool::new(1 << 20).unwrap();
+        let pool = Pool::new(1 << 20, 1 << 20).unwrap();
         assert_eq!(pool.store(&[0; PAGE]), Stored::Same(0));
         assert_eq!(
             pool.store(&[0xAB; PAGE]),
@@ -398,7 +425,7 @@ mod tests {
     #[test]
     fn a_full_pool_says_so_and_freeing_makes_room() {
         // One chunk slot: a few objects of one class fit, then the pool is full.
-        let pool = Pool::new(SLOT).unwrap();
+        let pool = Pool::new(SLOT, SLOT).unwrap();
         let p = page(7, 256);
         let mut held = Vec::new();
         loop {
@@ -422,7 +449,7 @@ mod tests {
     fn the_pool_fills_its_capacity_of_dram_whatever_the_class() {
         // One random word a page: tiny objects, whose chunks are one page each.
         for (random, capacity_pages) in [(1, 8), (100, 8), (300, 9)] {
-            let pool = Pool::new(capacity_pages * PAGE).unwrap();
+            let pool = Pool::new(capacity_pages * PAGE, capacity_pages * PAGE).unwrap();
             let mut n = 0u64;
             while let Stored::Object(_) = pool.store(&page(n, random)) {
                 n += 1;
@@ -441,7 +468,7 @@ mod tests {
 
     #[test]
     fn a_freed_object_does_not_load_while_its_chunk_lives_on() {
-        let pool = Pool::new(1 << 20).unwrap();
+        let pool = Pool::new(1 << 20, 1 << 20).unwrap();
         let hs: Vec<Handle> = (0..3)
             .map(|i| match pool.store(&page(i, 40)) {
                 Stored::Object(h) => h,
@@ -458,7 +485,7 @@ mod tests {
 
     #[test]
     fn a_handle_that_is_not_held_does_not_load() {
-        let pool = Pool::new(1 << 20).unwrap();
+        let pool = Pool::new(1 << 20, 1 << 20).unwrap();
         let mut out = [0u8; PAGE];
         assert!(pool.load(Handle::new(3, 0), &mut out).is_err(), "no chunk");
         let Stored::Object(h) = pool.store(&page(2, 100)) else {
@@ -481,7 +508,7 @@ mod tests {
         fn stores_and_frees_keep_every_page(
             ops in proptest::collection::vec((any::<bool>(), 0u64..1000, 1usize..400), 1..300)
         ) {
-            let pool = Pool::new(4 << 20).unwrap();
+            let pool = Pool::new(4 << 20, 4 << 20).unwrap();
             let mut held: Vec<(Handle, u64, usize)> = Vec::new();
             for (store, seed, random) in ops {
                 if store || held.is_empty() {

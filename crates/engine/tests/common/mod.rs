@@ -53,6 +53,17 @@ pub fn engine(name: &str, quota: u64) -> (&'static Engine, Scratch) {
     (e, dir)
 }
 
+/// An engine with `quota` bytes of DRAM and no compressed pool: every page that leaves DRAM
+/// goes to the file, for tests of the file's own paths (read-ahead, slots, device faults) on
+/// pages that would otherwise compress.
+pub fn file_only(name: &str, quota: u64) -> (&'static Engine, Scratch) {
+    let dir = scratch(name);
+    let mut cfg = config(&dir, quota);
+    cfg.compress = memtide_engine::Compress::Off;
+    let e = start(&cfg);
+    (e, dir)
+}
+
 pub fn start(cfg: &Config) -> &'static Engine {
     Engine::start(cfg).expect("engine starts (needs userfaultfd: run as root)")
 }

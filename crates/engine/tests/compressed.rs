@@ -1,0 +1,244 @@
+//! The compressed level on real userfaultfd and a real tier file: pages that compress go to
+//! the pool in DRAM (within the quota), the pool writes its oldest back to the file when full,
+//! pages that do not compress go straight to the file, same-filled pages are kept as one word,
+//! and every page reads back as written — also when the file fails, and after the quota (and
+//! with it the pool) shrinks. `Compress::Off` is the file alone.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use memtide_engine::tier::TierFaults;
+use memtide_engine::{Compress, Engine};
+
+mod common;
+
+use common::{config, scratch, start, Rng, Scratch, PAGE};
+
+/// What page `p` holds in round `r`: `kind` 0 compresses about 2:1 (its second half is
+/// zero), 1 is random, 2 is one word repeated.
+fn word(kind: u8, p: usize, r: u64, k: usize) -> u64 {
+    let mut x = (p as u64) << 20 ^ r << 8 ^ kind as u64;
+    if kind != 2 {
+        x = x.wrapping_add((k as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9));
+    }
+    x = x.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    x ^= x >> 29;
+    if kind == 0 && k >= PAGE / 16 {
+        0
+    } else {
+        x | 1
+    }
+}
+
+fn write_page(base: usize, kind: u8, p: usize, r: u64) {
+    let ptr = (base + p * PAGE) as *mut u64;
+    for k in 0..PAGE / 8 {
+        // SAFETY: page p of a managed block the test owns.
+        unsafe { ptr.add(k).write_volatile(word(kind, p, r, k)) };
+    }
+}
+
+/// The first wrong word of page `p`, if any.
+fn wrong_word(base: usize, kind: u8, p: usize, r: u64) -> Option<usize> {
+    let ptr = (base + p * PAGE) as *const u64;
+    // SAFETY: as in write_page.
+    (0..PAGE / 8).find(|&k| unsafe { ptr.add(k).read_volatile() } != word(kind, p, r, k))
+}
+
+/// An engine with `quota` of DRAM, compression `compress`, and a block of `pages` pages of
+/// `kind`, written once (most of them evicted).
+fn filled(
+    name: &str,
+    quota: u64,
+    compress: Compress,
+    kind: u8,
+    pages: usize,
+    faults: Option<Arc<TierFaults>>,
+) -> (&'static Engine, usize, Scratch) {
+    let dir = scratch(name);
+    let mut cfg = config(&dir, quota);
+    cfg.compress = compress;
+    cfg.tier_faults = faults;
+    let e = start(&cfg);
+    let b = e.alloc(pages * PAGE, PAGE).unwrap();
+    for p in 0..pages {
+        write_page(b, kind, p, 1);
+    }
+    (e, b, dir)
+}
+
+fn check_all(e: &Engine, b: usize, kind: u8, pages: usize, r: u64) {
+    for p in 0..pages {
+        if let Some(k) = wrong_word(b, kind, p, r) {
+            panic!(
+                "page {p} word {k} is wrong ({})",
+                e.describe_page(b + p * PAGE)
+            );
+        }
+    }
+}
+
+#[test]
+fn compressible_pages_fill_the_pool_within_the_quota_and_spill_to_the_file() {
+    let quota = 8u64 << 20;
+    let pages = 16384; // 64 MiB: 8x the quota
+    let (e, b, _dir) = filled("fill", quota, Compress::Lz4, 0, pages, None);
+    let s = e.snapshot();
+    // The pool holds pages at about 2:1 and takes at most its default share, a quarter of the
+    // quota; pool and pages together stay within the quota (plus the staging slack).
+    assert_eq!(s.compress, "lz4");
+    assert_eq!(s.compressed_capacity_bytes, quota / 4, "{s:?}");
+    assert!(s.compressed_pool_bytes <= quota / 4, "{s:?}");
+    assert!(
+        s.compression_ratio() > 1.7,
+        "2:1 pages: ratio {}: {s:?}",
+        s.compression_ratio()
+    );
+    assert!(s.peak_dram_bytes <= quota + (2 << 20), "{s:?}");
+    assert!(s.dram_bytes >= s.compressed_pool_bytes, "{s:?}");
+    // The pool filled, so its oldest pages went on to the file.
+    assert!(
+        s.compressed_stores > 4096 && s.compressed_spills > 1000,
+        "{s:?}"
+    );
+    assert!(s.tier_bytes > 16 << 20, "{s:?}");
+    assert_eq!(s.compressed_rejected, 0, "{s:?}");
+    // Read back newest first: the pool serves the newest, the file the rest.
+    for p in (0..pages).rev() {
+        assert_eq!(wrong_word(b, 0, p, 1), None, "page {p}");
+    }
+    // The pool (2 MiB) held about 900 of the newest pages.
+    let s = e.snapshot();
+    assert!(s.faults_compressed > 200, "{s:?}");
+    assert!(s.faults_tier - s.faults_compressed > 1000, "{s:?}");
+    assert!(s.fault_compressed_latency_p50_us > 0.0, "{s:?}");
+    // A round of writes over everything, read again: copies of rewritten pages are never
+    // served.
+    for p in 0..pages {
+        write_page(b, 0, p, 2);
+    }
+    check_all(e, b, 0, pages, 2);
+    e.audit().expect("books balance");
+}
+
+#[test]
+fn incompressible_pages_go_to_the_file_and_same_filled_ones_take_no_pool_space() {
+    let quota = 4u64 << 20;
+    let pages = 4096;
+    let (e, b, _dir) = filled("random", quota, Compress::Lz4, 1, pages, None);
+    let s = e.snapshot();
+    assert!(s.compressed_rejected > 2048, "{s:?}");
+    assert_eq!(s.compressed_pages, 0, "{s:?}");
+    assert!(s.tier_bytes > 8 << 20, "{s:?}");
+    check_all(e, b, 1, pages, 1);
+    let s = e.snapshot();
+    assert_eq!(s.faults_compressed, 0, "{s:?}");
+
+    let c = e.alloc(pages * PAGE, PAGE).unwrap();
+    for p in 0..pages {
+        write_page(c, 2, p, 1);
+    }
+    let s2 = e.snapshot();
+    assert!(s2.compressed_same > 2048, "{s2:?}");
+    assert_eq!(s2.compressed_pages, 0, "{s2:?}");
+    check_all(e, c, 2, pages, 1);
+    let s3 = e.snapshot();
+    assert!(s3.faults_compressed > 2048, "{s3:?}");
+    e.audit().expect("books balance");
+}
+
+#[test]
+fn compress_off_is_the_file_alone() {
+    let (e, b, _dir) = filled("off", 4 << 20, Compress::Off, 0, 4096, None);
+    check_all(e, b, 0, 4096, 1);
+    let s = e.snapshot();
+    assert_eq!(s.compress, "off");
+    assert_eq!(
+        (
+            s.compressed_capacity_bytes,
+            s.compressed_stores,
+            s.faults_compressed
+        ),
+        (0, 0, 0),
+        "{s:?}"
+    );
+    assert!(
+        s.tier_read_bytes > 8 << 20 && s.tier_bytes > 8 << 20,
+        "{s:?}"
+    );
+}
+
+#[test]
+fn pages_in_the_pool_stay_readable_when_the_file_fails() {
+    let faults = Arc::new(TierFaults::default());
+    // Pages that compress 2:1 into a pool of a quarter of 8 MiB: 4 MiB of them fit.
+    let quota = 8u64 << 20;
+    let pages = 2048;
+    let (e, b, _dir) = filled(
+        "file-fails",
+        quota,
+        Compress::Lz4,
+        0,
+        pages,
+        Some(faults.clone()),
+    );
+    // Every write to the file fails from now on, and so does every read.
+    faults
+        .write_errors
+        .store(TierFaults::ALWAYS, Ordering::Relaxed);
+    let c = e.alloc(4 * pages * PAGE, PAGE).unwrap();
+    for p in 0..4 * pages {
+        write_page(c, 0, p, 1);
+    }
+    let s = e.snapshot();
+    assert!(s.tier_errors > 0, "the file failed: {s:?}");
+    // Nothing was lost: pages the file refused stayed in DRAM (above the quota) or the pool.
+    check_all(e, c, 0, 4 * pages, 1);
+    check_all(e, b, 0, pages, 1);
+    let s = e.snapshot();
+    assert!(s.faults_compressed > 0, "{s:?}");
+    e.audit().expect("books balance");
+}
+
+#[test]
+fn a_lowered_quota_shrinks_the_pool_by_writing_back() {
+    let quota = 16u64 << 20;
+    let pages = 8192;
+    let (e, b, _dir) = filled("lowered", quota, Compress::Lz4, 0, pages, None);
+    let before = e.snapshot();
+    assert!(
+        before.compressed_pool_bytes > 3 << 20,
+        "the pool filled: {before:?}"
+    );
+    e.set_quota_bytes(quota / 4);
+    let t0 = std::time::Instant::now();
+    loop {
+        let s = e.snapshot();
+        if s.compressed_pool_bytes <= quota / 16 && s.dram_bytes <= quota / 4 + (1 << 20) {
+            assert_eq!(s.compressed_capacity_bytes, quota / 16, "{s:?}");
+            assert!(s.compressed_spills > before.compressed_spills, "{s:?}");
+            break;
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(20),
+            "the pool did not shrink: {s:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // Random reads and writes over the block at the new quota, then everything checked.
+    let mut rng = Rng(0x5EED);
+    let mut round = vec![1u64; pages];
+    for _ in 0..20_000 {
+        let p = rng.below(pages);
+        if rng.below(4) == 0 {
+            round[p] += 1;
+            write_page(b, 0, p, round[p]);
+        } else {
+            assert_eq!(wrong_word(b, 0, p, round[p]), None, "page {p}");
+        }
+    }
+    for (p, &r) in round.iter().enumerate() {
+        assert_eq!(wrong_word(b, 0, p, r), None, "page {p}");
+    }
+    e.audit().expect("books balance");
+}
