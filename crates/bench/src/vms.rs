@@ -350,9 +350,10 @@ struct VmConfig {
     family: Family,
     faults: memtide_engine::Delivery,
     policy: memtide_engine::EvictionPolicy,
+    compress: memtide_engine::Compress,
 }
 
-/// Every configuration: all-DRAM, memtide for each `--policy` and `--faults` (SIGBUS delivery
+/// Every configuration: all-DRAM, memtide for each `--compress`, `--policy` and `--faults` (SIGBUS delivery
 /// only under TCG: KVM reads guest memory from the kernel, which SIGBUS delivery fails with
 /// EFAULT), and Linux swap where the machine allows it.
 fn configs(a: &Common, host: &Host, accel: Accel) -> Vec<VmConfig> {
@@ -364,25 +365,26 @@ fn configs(a: &Common, host: &Host, accel: Accel) -> Vec<VmConfig> {
                 family,
                 faults: memtide_engine::Delivery::Threads,
                 policy: Default::default(),
+                compress: Default::default(),
             });
             continue;
         }
-        for &policy in &a.policy {
-            for &faults in &a.faults {
-                if faults == memtide_engine::Delivery::Signal && accel == Accel::Kvm {
-                    continue;
-                }
-                let name = format!(
-                    "memtide{}",
-                    variant(faults, policy, memtide_engine::Compress::default())
-                );
-                if !out.iter().any(|c: &VmConfig| c.name == name) {
-                    out.push(VmConfig {
-                        name,
-                        family,
-                        faults,
-                        policy,
-                    });
+        for &compress in &a.compress {
+            for &policy in &a.policy {
+                for &faults in &a.faults {
+                    if faults == memtide_engine::Delivery::Signal && accel == Accel::Kvm {
+                        continue;
+                    }
+                    let name = format!("memtide{}", variant(faults, policy, compress));
+                    if !out.iter().any(|c: &VmConfig| c.name == name) {
+                        out.push(VmConfig {
+                            name,
+                            family,
+                            faults,
+                            policy,
+                            compress,
+                        });
+                    }
                 }
             }
         }
@@ -472,7 +474,7 @@ fn run_guests(
                             preload: host.preload,
                             faults: config.faults,
                             policy: config.policy,
-                            compress: memtide_engine::Compress::default(),
+                            compress: config.compress,
                             pool_share: None,
                         },
                         (Family::Swap, Some(p)) => Placement::Cgroup { procs: p },

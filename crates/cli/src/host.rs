@@ -233,16 +233,19 @@ pub fn status(a: StatusArgs) -> Result<ExitCode> {
 }
 
 /// The columns of the tenant table, as `memtide status` prints it and `memtide top` shows it.
-pub const COLUMNS: [&str; 14] = [
-    "ID", "TENANT", "PID", "MIN", "QUOTA", "DRAM", "TIER", "TIER MAX", "ACTIVE", "ACT%", "HEALTH",
-    "FAULTS/s", "TIER/s", "PROMO/s",
+/// `POOL` is the DRAM of the tenant's compressed pool (part of `DRAM`); `TIER` and `TIER MAX`
+/// are the file's.
+pub const COLUMNS: [&str; 15] = [
+    "ID", "TENANT", "PID", "MIN", "QUOTA", "DRAM", "POOL", "TIER", "TIER MAX", "ACTIVE", "ACT%",
+    "HEALTH", "FAULTS/s", "TIER/s", "PROMO/s",
 ];
 
 /// Width and left alignment of each column in `memtide status`.
-const LAYOUT: [(usize, bool); 14] = [
+const LAYOUT: [(usize, bool); 15] = [
     (4, false),
     (24, true),
     (8, false),
+    (11, false),
     (11, false),
     (11, false),
     (11, false),
@@ -258,7 +261,7 @@ const LAYOUT: [(usize, bool); 14] = [
 
 /// One tenant's cells, in [`COLUMNS`] order; its name cut to `name_chars` characters (before
 /// " (pinned)", for a pinned tenant).
-pub fn tenant_row(t: &TenantStatus, name_chars: usize) -> [String; 14] {
+pub fn tenant_row(t: &TenantStatus, name_chars: usize) -> [String; 15] {
     let mut name: String = t.name.chars().take(name_chars).collect();
     if t.pinned {
         name.push_str(" (pinned)");
@@ -270,6 +273,7 @@ pub fn tenant_row(t: &TenantStatus, name_chars: usize) -> [String; 14] {
         bytes(t.min_bytes),
         bytes(t.quota_bytes),
         bytes(t.report.dram_bytes),
+        bytes(t.report.compressed_pool_bytes),
         bytes(t.report.tier_bytes),
         if t.pinned {
             "-".into()

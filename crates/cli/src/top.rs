@@ -154,6 +154,7 @@ fn draw(f: &mut Frame, v: &View) {
         Constraint::Length(11),
         Constraint::Length(11),
         Constraint::Length(11),
+        Constraint::Length(11),
         Constraint::Length(5),
         Constraint::Length(7),
         Constraint::Length(9),

@@ -15,13 +15,13 @@ fn dram_zero_and_garbage_and_too_large() {
     );
 }
 
-/// A mistyped option before the program was taken for the program ("program `--compress`
+/// A mistyped option before the program was taken for the program ("program `--compres`
 /// not found in PATH"): it is named as an option memtide does not have, in one line.
 #[test]
 fn an_unknown_option_is_named_not_run() {
     for args in [
-        &["run", "--dram", "64MiB", "--compress", "lz4", "--", "true"][..],
-        &["run", "--dram", "64MiB", "--compress", "--", "true"][..],
+        &["run", "--dram", "64MiB", "--compres", "lz4", "--", "true"][..],
+        &["run", "--dram", "64MiB", "--compres", "--", "true"][..],
         &["run", "--dram", "64MiB", "--nope"][..],
     ] {
         fails_with(args, "unexpected argument '--");
@@ -42,6 +42,48 @@ fn an_unknown_option_is_named_not_run() {
         let o = memtide().args(args).output().unwrap();
         assert_eq!(o.status.code(), Some(3), "{args:?}: {}", stderr(&o));
     }
+}
+
+/// The compressed level's options: an unknown compressor, and a pool as large as the DRAM it
+/// lives in.
+#[test]
+fn a_bad_compressor_or_pool_size_is_one_line() {
+    fails_with(
+        &[
+            "run",
+            "--dram",
+            "64MiB",
+            "--compress",
+            "zstd9",
+            "--",
+            "true",
+        ],
+        "is not a compressor memtide has: write lz4 or off",
+    );
+    fails_with(
+        &[
+            "run",
+            "--dram",
+            "64MiB",
+            "--compressed-max",
+            "64MiB",
+            "--",
+            "true",
+        ],
+        "the pool lives within the DRAM quota",
+    );
+    fails_with(
+        &[
+            "run",
+            "--dram",
+            "64MiB",
+            "--compressed-max",
+            "0",
+            "--",
+            "true",
+        ],
+        "must be more than 0",
+    );
 }
 
 #[test]

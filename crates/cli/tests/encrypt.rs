@@ -37,7 +37,18 @@ struct Run {
 fn start(dir: &Path, encrypt: bool) -> Run {
     let go = dir.join(format!("go-{encrypt}"));
     let mut cmd = memtide();
-    cmd.args(["run", "--dram", "16MiB", "--tier"]).arg(dir);
+    // A small compressed pool (these pages compress about 50:1, so a quarter of the quota
+    // would hold them all): most pages pass through it to the tier file, so both levels run,
+    // and what lands on the device is what is checked.
+    cmd.args([
+        "run",
+        "--dram",
+        "16MiB",
+        "--compressed-max",
+        "256KiB",
+        "--tier",
+    ])
+    .arg(dir);
     if encrypt {
         cmd.arg("--encrypt-tier");
     }

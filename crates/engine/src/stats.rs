@@ -130,6 +130,9 @@ pub struct Counters {
     pub compressed_spills: AtomicU64,
     /// Pool copies of pages that are in DRAM again, dropped to give the pool's DRAM back.
     pub compressed_drops: AtomicU64,
+    /// Times the pool's sizing grew it, and shrank it, by a step.
+    pub compressed_grows: AtomicU64,
+    pub compressed_shrinks: AtomicU64,
     /// Faults on an inactive page still in DRAM (promoted back without I/O).
     pub faults_inactive: AtomicU64,
     /// Faults that waited for another thread's move of the same page.
@@ -322,6 +325,10 @@ pub struct Snapshot {
     pub compressed_spills: u64,
     #[serde(default)]
     pub compressed_drops: u64,
+    #[serde(default)]
+    pub compressed_grows: u64,
+    #[serde(default)]
+    pub compressed_shrinks: u64,
     #[serde(default)]
     pub fault_compressed_latency_p50_us: f64,
     #[serde(default)]

@@ -84,11 +84,15 @@ fn compressible_pages_fill_the_pool_within_the_quota_and_spill_to_the_file() {
     let pages = 16384; // 64 MiB: 8x the quota
     let (e, b, _dir) = filled("fill", quota, Compress::Lz4, 0, pages, None);
     let s = e.snapshot();
-    // The pool holds pages at about 2:1 and takes at most its default share, a quarter of the
-    // quota; pool and pages together stay within the quota (plus the staging slack).
+    // The pool holds pages at about 2:1 within its capacity (a quarter of the quota to start
+    // with, never more than three quarters); pool and pages together stay within the quota
+    // (plus the staging slack).
     assert_eq!(s.compress, "lz4");
-    assert_eq!(s.compressed_capacity_bytes, quota / 4, "{s:?}");
-    assert!(s.compressed_pool_bytes <= quota / 4, "{s:?}");
+    assert!(s.compressed_capacity_bytes <= quota * 3 / 4, "{s:?}");
+    assert!(
+        s.compressed_pool_bytes <= s.compressed_capacity_bytes,
+        "{s:?}"
+    );
     assert!(
         s.compression_ratio() > 1.7,
         "2:1 pages: ratio {}: {s:?}",
@@ -214,9 +218,17 @@ fn a_lowered_quota_shrinks_the_pool_by_writing_back() {
     let t0 = std::time::Instant::now();
     loop {
         let s = e.snapshot();
-        if s.compressed_pool_bytes <= quota / 16 && s.dram_bytes <= quota / 4 + (1 << 20) {
-            assert_eq!(s.compressed_capacity_bytes, quota / 16, "{s:?}");
+        // The pool keeps its share of the smaller quota (sizing may move it by steps of
+        // 1/32 of the quota meanwhile), and wrote back what it no longer may hold.
+        if s.compressed_pool_bytes <= s.compressed_capacity_bytes
+            && s.compressed_capacity_bytes <= before.compressed_capacity_bytes / 4 + quota / 64
+            && s.dram_bytes <= quota / 4 + (1 << 20)
+        {
             assert!(s.compressed_spills > before.compressed_spills, "{s:?}");
+            assert!(
+                s.compressed_pool_bytes < before.compressed_pool_bytes,
+                "{s:?}"
+            );
             break;
         }
         assert!(

@@ -191,11 +191,29 @@ impl Collector for Status {
             "The tenant's managed memory in DRAM.",
             &per(&|t| t.report.dram_bytes as i64),
         )?;
+        {
+            let mut m = enc.encode_descriptor(
+                "memtide_tenant_tier_bytes",
+                "The tenant's managed memory below DRAM, by level: compressed (pages in the compressed pool, uncompressed size) and file (tier 1).",
+                None,
+                MetricType::Gauge,
+            )?;
+            for t in &s.tenants {
+                for (level, v) in [
+                    ("compressed", t.report.compressed_bytes),
+                    ("file", t.report.tier_bytes),
+                ] {
+                    let mut l = labels(t);
+                    l.push(("level".into(), level.into()));
+                    ConstGauge::new(v as i64).encode(m.encode_family(&l)?)?;
+                }
+            }
+        }
         gauge(
             &mut enc,
-            "memtide_tenant_tier_bytes",
-            "The tenant's managed memory in tier 1.",
-            &per(&|t| t.report.tier_bytes as i64),
+            "memtide_tenant_compressed_pool_bytes",
+            "DRAM the tenant's compressed pool takes (part of its DRAM).",
+            &per(&|t| t.report.compressed_pool_bytes as i64),
         )?;
         gauge(
             &mut enc,
@@ -230,14 +248,18 @@ impl Collector for Status {
         {
             let mut m = enc.encode_descriptor(
                 "memtide_tenant_faults",
-                "Faults by kind: zero (first touch), tier (read from tier 1), inactive (hint fault, no I/O), wait (waited for a page in flight).",
+                "Faults by kind: zero (first touch), compressed (decompressed from the pool), tier (read from tier 1), inactive (hint fault, no I/O), wait (waited for a page in flight).",
                 None,
                 MetricType::Counter,
             )?;
             for t in &s.tenants {
                 for (kind, v) in [
                     ("zero", t.report.faults_zero),
-                    ("tier", t.report.faults_tier),
+                    ("compressed", t.report.faults_compressed),
+                    (
+                        "tier",
+                        t.report.faults_tier - t.report.faults_compressed.min(t.report.faults_tier),
+                    ),
                     ("inactive", t.report.faults_inactive),
                     ("wait", t.report.faults_wait),
                 ] {
@@ -516,7 +538,11 @@ mod tests {
             health: "red".into(),
             ..TenantStatus::default()
         };
-        t.report.faults_tier = 17;
+        t.report.faults_tier = 17 + 5;
+        t.report.faults_compressed = 5;
+        t.report.tier_bytes = 4096;
+        t.report.compressed_bytes = 8192;
+        t.report.compressed_pool_bytes = 3000;
         t.report.tier_reads = 3;
         t.report.tier_read_latency_sum_us = 300.0;
         t.report.tier_read_latency_buckets = vec![(100.0, 2), (200.0, 3)];
@@ -532,6 +558,10 @@ mod tests {
             "memtide_host_dram_budget_bytes 8589934592",
             "memtide_tenant_quota_bytes{tenant=\"redis\",id=\"1\",pid=\"42\"} 1073741824",
             "memtide_tenant_faults_total{tenant=\"redis\",id=\"1\",pid=\"42\",kind=\"tier\"} 17",
+            "memtide_tenant_faults_total{tenant=\"redis\",id=\"1\",pid=\"42\",kind=\"compressed\"} 5",
+            "memtide_tenant_tier_bytes{tenant=\"redis\",id=\"1\",pid=\"42\",level=\"file\"} 4096",
+            "memtide_tenant_tier_bytes{tenant=\"redis\",id=\"1\",pid=\"42\",level=\"compressed\"} 8192",
+            "memtide_tenant_compressed_pool_bytes{tenant=\"redis\",id=\"1\",pid=\"42\"} 3000",
             "memtide_tenant_health{tenant=\"redis\",id=\"1\",pid=\"42\"} 2",
             "memtide_tenant_tier_read_latency_seconds_bucket{le=\"0.0001\",tenant=\"redis\",id=\"1\",pid=\"42\"} 2",
             "memtide_tenant_tier_read_latency_seconds_bucket{le=\"0.0002\",tenant=\"redis\",id=\"1\",pid=\"42\"} 3",

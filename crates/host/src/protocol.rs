@@ -83,8 +83,17 @@ pub struct TenantReport {
     pub tier_file_bytes: u64,
     pub managed_bytes: u64,
     pub active_bytes: u64,
+    /// The compressed level: pages it holds (uncompressed bytes) and the DRAM its pool takes
+    /// (part of `dram_bytes`).
+    #[serde(default)]
+    pub compressed_bytes: u64,
+    #[serde(default)]
+    pub compressed_pool_bytes: u64,
     pub faults_zero: u64,
+    /// Faults served from below DRAM, both levels; of those, from the compressed pool.
     pub faults_tier: u64,
+    #[serde(default)]
+    pub faults_compressed: u64,
     pub faults_inactive: u64,
     pub faults_wait: u64,
     pub promotions: u64,
@@ -110,8 +119,11 @@ impl TenantReport {
             r.tier_file_bytes += s.tier_file_bytes;
             r.managed_bytes += s.managed_bytes;
             r.active_bytes += s.active_bytes;
+            r.compressed_bytes += s.compressed_pages * 4096;
+            r.compressed_pool_bytes += s.compressed_pool_bytes;
             r.faults_zero += s.faults_zero;
             r.faults_tier += s.faults_tier;
+            r.faults_compressed += s.faults_compressed;
             r.faults_inactive += s.faults_inactive;
             r.faults_wait += s.faults_wait;
             r.promotions += s.promotions;

@@ -53,6 +53,7 @@ impl Engine {
                     self.sample_active(&mut sampler, &mut sampled);
                 }
                 Counters::bump(&self.counters.epochs);
+                self.size_pool();
             }
             let ecpu0 = sys::thread_cpu_ns();
             if self.file.reclaim.swap(false, Ordering::AcqRel)
@@ -65,6 +66,9 @@ impl Engine {
                     // The quota was lowered: the pool gives back what it no longer may hold.
                     self.spill(compressed::SPILL_BATCH);
                 }
+            }
+            if let Some(c) = self.compressed.as_ref().filter(|_| new_epoch) {
+                c.futile.store(false, Ordering::Relaxed);
             }
             if self.file.full.load(Ordering::Acquire) && (new_epoch || self.tier_has_room()) {
                 // Try again: the program freed slots, or the filesystem may have room now.
@@ -499,8 +503,9 @@ impl Engine {
         }
         let mut failed: Vec<(usize, u32)> = Vec::new();
         let mut to_file: Vec<(usize, u32, u64)> = Vec::new();
+        let mut pooled = 0;
         if !dirty.is_empty() {
-            self.compress_out(&dirty, &mut to_file);
+            pooled = self.compress_out(&dirty, &mut to_file).stored;
         }
         if !to_file.is_empty() {
             let addrs: Vec<(usize, usize, u64)> = to_file
@@ -514,6 +519,11 @@ impl Engine {
             };
             if written < to_file.len() {
                 self.keep_in_dram(&to_file[written..], &mut failed);
+                if pooled == 0 {
+                    if let Some(c) = &self.compressed {
+                        c.futile.store(true, Ordering::Relaxed);
+                    }
+                }
             }
         }
         // Publish: written and clean pages are evicted; zero pages drop their tier copy.
@@ -617,6 +627,8 @@ impl Engine {
                 self.forget_copy(p);
                 self.pt.set_copy(p, Some(TierCopy::File(first + j as u64)));
                 self.pt.set_hash(p, h);
+                // Not in write-back order (a pool's write-back numbers its pages after).
+                self.pt.set_order(p, 0);
             }
         }
         if full {

@@ -5,8 +5,8 @@
 //! interface in `policy.rs`: the CLOCK sweep in `evict.rs`, placement in `place.rs`), and the program's own memory calls
 //! (`region.rs`: free, discard, mremap, mprotect, pins, fork), and the sampled estimate of
 //! active memory (`active.rs`, run by the evictor). Small shared pieces have files of their
-//! own: the staging ring (`ring.rs`), a level below DRAM with its slots and state (`store.rs`:
-//! tier 1, the file), the DRAM quota (`quota.rs`, changeable at run time) and
+//! own: the staging ring (`ring.rs`), the levels below DRAM (`compressed.rs`: the compressed
+//! pool; `store.rs`: tier 1, the file, with its slots and state), the DRAM quota (`quota.rs`, changeable at run time) and
 //! the fatal stop (`fatal.rs`). This file holds the engine object, its start and its reports. Entry
 //! points: [`Engine::start`], [`Engine::alloc`], [`Engine::handle_fault`].
 //!
@@ -16,9 +16,15 @@
 //!  Unpopulated --first touch (zero-fill, 16-page chunks)--> Mapped
 //!  Mapped --evictor: UFFDIO_MOVE to a staging slot--> Staged      (the inactive list)
 //!  Staged --program touches it: UFFDIO_MOVE back--> Mapped        (a hint fault: it is hot)
-//!  Staged --evictor: write to tier 1 (or drop if clean/zero)--> Evicted (or Unpopulated)
-//!  Evicted --program touches it: read tier 1, UFFDIO_COPY--> Mapped (tier copy kept: clean)
+//!  Staged --evictor: compress into the pool, or write to tier 1 (or drop if clean/zero)
+//!         --> Evicted (or Unpopulated)
+//!  Evicted --program touches it: decompress from the pool or read tier 1, UFFDIO_COPY
+//!         --> Mapped (copy kept: clean; a pool copy only until the evictor drops it)
+//!  Evicted in the pool --evictor, pool full: decompress, write to tier 1--> Evicted in tier 1
 //! ```
+//!
+//! The levels below DRAM (`compressed.rs`: the pool; `store.rs`: the file) and where a page's
+//! copy is ([`TierCopy`]) are described in those files.
 //!
 //! # Invariants
 //!
@@ -32,7 +38,8 @@
 //!   UFFDIO_MOVE wake their destination); a handler that finds the page already mapped wakes
 //!   the faulting thread itself.
 //! - The quota's `resident` counts pages holding DRAM (mapped, staged, writing, or in
-//!   flight); a faulting thread reserves quota before it claims a page.
+//!   flight); a faulting thread reserves quota before it claims a page. The quota bounds
+//!   those pages plus the compressed pool's (`Quota::held`).
 
 mod active;
 mod compressed;
@@ -613,6 +620,8 @@ impl Engine {
             compressed_rejected: r(&c.compressed_rejected),
             compressed_spills: r(&c.compressed_spills),
             compressed_drops: r(&c.compressed_drops),
+            compressed_grows: r(&c.compressed_grows),
+            compressed_shrinks: r(&c.compressed_shrinks),
             fault_compressed_latency_p50_us: c.fault_compressed_latency.quantile_us(0.5),
             fault_compressed_latency_p99_us: c.fault_compressed_latency.quantile_us(0.99),
             tier_read_latency_buckets: c

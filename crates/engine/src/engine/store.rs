@@ -1,7 +1,7 @@
 //! A level of memory below DRAM as the engine holds it: its backend, its slot map, whether it
 //! is full, failed or asked to give space back, and what its reads use (bounce buffers, the
-//! read-ahead tracker). Today the one level is the file on an NVMe/SSD (`Engine::file`); a
-//! compressed pool in DRAM is to be another, each a `Store`. Entry point: [`Store`].
+//! read-ahead tracker): the file on an NVMe/SSD (`Engine::file`). The compressed pool in DRAM,
+//! the level above it, is `compressed.rs` (its objects are not slots). Entry point: [`Store`].
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
