@@ -272,7 +272,6 @@ pub fn bench(mut args: BenchArgs) -> Result<ExitCode> {
                             faults,
                             policy,
                             compress,
-                            pool_share: Some(a.pool_share / 100.0),
                         },
                         Pool::None,
                     ));

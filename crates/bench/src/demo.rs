@@ -67,8 +67,6 @@ pub enum Placement<'a> {
         faults: memtide_engine::Delivery,
         policy: memtide_engine::EvictionPolicy,
         compress: memtide_engine::Compress,
-        /// The share of `dram` the compressed pool may take (default: the engine's).
-        pool_share: Option<f64>,
     },
     /// In a memory cgroup limited to `limit` (Linux swap does the tiering): the pid is written
     /// to `procs` before the workload starts.
@@ -87,14 +85,12 @@ impl Placement<'_> {
                 faults,
                 policy,
                 compress,
-                pool_share,
             } => Settings {
                 stats_dir: Some(stats_dir.to_path_buf()),
                 stats_interval_ms: 500,
                 faults: *faults,
                 policy: *policy,
                 compress: *compress,
-                compressed_max: pool_share.map(|f| (*dram as f64 * f) as u64),
                 ..Settings::new(*dram, *tier)
             }
             .apply(preload, cmd),
@@ -256,7 +252,6 @@ pub fn demo(a: DemoArgs) -> Result<ExitCode> {
             faults: memtide_engine::Delivery::Threads,
             policy: memtide_engine::EvictionPolicy::default(),
             compress: a.compress,
-            pool_share: None,
         },
     )?;
     eprintln!("memtide: {:.0} k accesses/s", mt.result.throughput / 1e3);

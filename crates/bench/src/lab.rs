@@ -60,10 +60,10 @@ pub struct Common {
     /// (`lz4,off`: every memtide configuration twice, the second marked `file-only`).
     #[arg(long, value_delimiter = ',', value_parser = opts::compress, default_value = "lz4")]
     pub compress: Vec<memtide_engine::Compress>,
-    /// The share of each budget that the compressed pools may take: memtide's (its
-    /// `--compressed-max`), zswap's and zram's. The kernel's pools live outside the memory
-    /// cgroup, so theirs is limited to the rest of the budget: every configuration has the
-    /// same DRAM in all.
+    /// The share of each budget that zswap's and zram's compressed pools may take; their
+    /// memory cgroup is limited to the rest (the pools live outside it), so that they have the
+    /// same DRAM in all as the other configurations. (memtide's pool lives inside its budget,
+    /// at its default size.)
     #[arg(long, value_parser = opts::percent, default_value = "50")]
     pub pool_share: f64,
     /// Also write the results as JSON to this file.

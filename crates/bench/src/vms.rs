@@ -475,7 +475,6 @@ fn run_guests(
                             faults: config.faults,
                             policy: config.policy,
                             compress: config.compress,
-                            pool_share: None,
                         },
                         (Family::Swap, Some(p)) => Placement::Cgroup { procs: p },
                         _ => Placement::Dram,

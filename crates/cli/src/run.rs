@@ -64,7 +64,7 @@ pub struct RunArgs {
     /// decompression, no I/O) or `off` (straight to tier 1). See README, "Levels".
     #[arg(long, value_parser = opts::compress, default_value = "lz4")]
     pub compress: memtide_engine::Compress,
-    /// The most of --dram the compressed pool may take (default: a quarter of it; at most
+    /// The most of --dram the compressed pool may take (default: a sixteenth of it; at most
     /// three quarters are used, the rest holds the pages in use).
     #[arg(long, value_parser = opts::nonzero_size, value_name = "SIZE")]
     pub compressed_max: Option<u64>,

@@ -180,9 +180,6 @@ pub struct PageTable {
     hashes: Mapping,
     /// Length in pages of the allocation starting at this page (0 elsewhere).
     lens: Mapping,
-    /// Where the page's copy stands in its level's order, for sizing the compressed pool (see
-    /// `engine/compressed.rs`).
-    orders: Mapping,
     pages: usize,
 }
 
@@ -196,7 +193,6 @@ impl PageTable {
             stages: Mapping::anon(pages * 4)?,
             hashes: Mapping::anon(pages * 8)?,
             lens: Mapping::anon(pages * 4)?,
-            orders: Mapping::anon(pages * 4)?,
             pages,
         };
         Ok(t)
@@ -244,14 +240,6 @@ impl PageTable {
 
     pub fn hash(&self, i: usize) -> u64 {
         self.hashes.as_slice::<AtomicU64>()[i].load(Ordering::Acquire)
-    }
-
-    pub fn order(&self, i: usize) -> u32 {
-        self.orders.as_slice::<AtomicU32>()[i].load(Ordering::Relaxed)
-    }
-
-    pub fn set_order(&self, i: usize, v: u32) {
-        self.orders.as_slice::<AtomicU32>()[i].store(v, Ordering::Relaxed);
     }
 
     pub fn set_hash(&self, i: usize, h: u64) {

@@ -130,9 +130,6 @@ pub struct Counters {
     pub compressed_spills: AtomicU64,
     /// Pool copies of pages that are in DRAM again, dropped to give the pool's DRAM back.
     pub compressed_drops: AtomicU64,
-    /// Times the pool's sizing grew it, and shrank it, by a step.
-    pub compressed_grows: AtomicU64,
-    pub compressed_shrinks: AtomicU64,
     /// Faults on an inactive page still in DRAM (promoted back without I/O).
     pub faults_inactive: AtomicU64,
     /// Faults that waited for another thread's move of the same page.
@@ -177,6 +174,8 @@ pub struct Counters {
     pub tier_read_mismatches: AtomicU64,
     /// Times a faulting thread waited for eviction to make room.
     pub quota_waits: AtomicU64,
+    /// Time faulting threads spent waiting for eviction to make room (ns).
+    pub quota_wait_ns: AtomicU64,
     /// Pages admitted above the quota because eviction could not make room.
     pub quota_overruns: AtomicU64,
     pub epochs: AtomicU64,
@@ -326,10 +325,6 @@ pub struct Snapshot {
     #[serde(default)]
     pub compressed_drops: u64,
     #[serde(default)]
-    pub compressed_grows: u64,
-    #[serde(default)]
-    pub compressed_shrinks: u64,
-    #[serde(default)]
     pub fault_compressed_latency_p50_us: f64,
     #[serde(default)]
     pub fault_compressed_latency_p99_us: f64,
@@ -342,6 +337,8 @@ pub struct Snapshot {
     #[serde(default)]
     pub tier_reads: u64,
     pub quota_waits: u64,
+    #[serde(default)]
+    pub quota_wait_seconds: f64,
     pub quota_overruns: u64,
     /// What the scheduler says of the handler threads, summed: times given a CPU, time spent
     /// runnable waiting for one (after a wake-up: a fault, an I/O completion), time on one.

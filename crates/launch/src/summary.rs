@@ -221,8 +221,8 @@ pub fn print(program: &str, status: &str, c: &Collected) {
     );
     if s.quota_waits > 0 || s.quota_overruns > 0 {
         eprintln!(
-            "  quota    {} waits for eviction, {} pages admitted above the quota",
-            s.quota_waits, s.quota_overruns
+            "  quota    {} waits for eviction ({:.2} s in all), {} pages admitted above the quota",
+            s.quota_waits, s.quota_wait_seconds, s.quota_overruns
         );
     }
     for w in &s.warnings {

@@ -17,23 +17,15 @@
 //! A page whose words are all one value is kept as that word (no pool space); it leaves that
 //! copy when it is brought in.
 //!
-//! # Sizing
+//! # Size
 //!
-//! The pool's share of the quota follows what it saves, measured from the faults the engine
-//! serves. Every page stored in the pool is numbered in store order, and every page written
-//! back to the file in write-back order ([`PageTable::order`](crate::pages::PageTable)). Over
-//! each period (5 epochs), the engine counts
-//!
-//! - faults on the newest `step` objects of the pool (`step` = 1/32 of the quota): the pages
-//!   that the DRAM of `step` more uncompressed pages would have kept; each cost a compressed
-//!   fault, and shrinking the pool by `step` would make about as many of those;
-//! - faults on the `step × ratio` pages written back to the file last: the pages a pool larger
-//!   by `step` of DRAM would still hold; each cost a file fault instead of a compressed one.
-//!
-//! With the mean latency of each kind of fault in the period, the pool grows by `step` when
-//! the second saves half as much again as the first costs, shrinks when the first costs half
-//! as much again as the second saves, and otherwise stays, between `step` and three quarters
-//! of the quota (or `--compressed-max`). A pool that shrinks writes its oldest back.
+//! The pool may take a sixteenth of the quota (`--compressed-max` sets another share, up to
+//! three quarters), and keeps that share when the quota changes; a pool over its size after
+//! a change writes its oldest back. A pool that adapts its size to what it saves is the goal;
+//! the two ways tried (weighing faults near the pool's two boundaries, as ghost lists do, and
+//! a hill climb on the time faults cost) both grew the pool past its best size on a
+//! single-threaded program bound by faults, whose DRAM the pool then squeezed, and lost to a
+//! small fixed pool (the notebook's nineteenth run).
 //!
 //! # Why write-back is decompressed
 //!
@@ -45,7 +37,7 @@
 
 use std::collections::VecDeque;
 use std::io;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use memtide_policy::PAGE_SIZE;
@@ -93,86 +85,15 @@ impl Compress {
     }
 }
 
-/// The pool's share of the quota when it starts: a quarter (at most `--compressed-max`).
+/// The pool's share of the quota unless `--compressed-max` says otherwise: a sixteenth.
 pub(super) fn default_capacity(quota_pages: u64) -> u64 {
-    quota_pages / 4
+    quota_pages / 16
 }
 
 /// The most of the quota the pool may take even when asked for more (the rest holds the
 /// pages in use).
 pub(super) fn capacity_cap(quota_pages: u64) -> u64 {
     quota_pages * 3 / 4
-}
-
-/// A step of the pool's size: 1/32 of the quota.
-fn sizing_step(quota_pages: u64) -> u64 {
-    (quota_pages / 32).max(1)
-}
-
-/// Epochs per sizing decision.
-const SIZING_EPOCHS: u32 = 5;
-/// Faults of a kind a period needs before they decide anything.
-const SIZING_EVIDENCE: u64 = 16;
-/// Marks a page's order number as one in write-back order.
-const SPILLED: u32 = 1 << 31;
-const ORDER_MASK: u32 = SPILLED - 1;
-/// Mean fault costs assumed while a period saw none of a kind (ns): a decompression through
-/// a handler thread, a device read.
-const ASSUMED_COMPRESSED_NS: u64 = 8_000;
-const ASSUMED_FILE_NS: u64 = 80_000;
-
-/// The pool's sizing (see the module's "Sizing"): order counters, the faults near the two
-/// boundaries this period, and the windows that define "near".
-#[derive(Default)]
-struct Sizing {
-    stored: AtomicU32,
-    spilled: AtomicU32,
-    near_pool: AtomicU64,
-    near_file: AtomicU64,
-    window_pool: AtomicU32,
-    window_file: AtomicU32,
-    /// The pool's capacity as a share of the quota, in millionths (kept across quota changes).
-    share_ppm: AtomicU64,
-    /// The evictor's: epochs into this period, and the latency sums and counts at its start.
-    period: Mutex<Period>,
-}
-
-#[derive(Default)]
-struct Period {
-    epochs: u32,
-    compressed: (f64, u64),
-    file: (f64, u64),
-}
-
-impl Sizing {
-    fn next_stored(&self) -> u32 {
-        self.stored.fetch_add(1, Ordering::Relaxed) & ORDER_MASK
-    }
-
-    fn next_spilled(&self) -> u32 {
-        SPILLED | (self.spilled.fetch_add(1, Ordering::Relaxed) & ORDER_MASK)
-    }
-
-    /// A fault on a pool object numbered `order` (async-signal-safe).
-    fn pool_fault(&self, order: u32) {
-        let newest = self.stored.load(Ordering::Relaxed).wrapping_sub(1) & ORDER_MASK;
-        let age = newest.wrapping_sub(order) & ORDER_MASK;
-        if order & SPILLED == 0 && age < self.window_pool.load(Ordering::Relaxed) {
-            self.near_pool.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-
-    /// A fault on a page in the file numbered `order` (async-signal-safe).
-    fn file_fault(&self, order: u32) {
-        if order & SPILLED == 0 {
-            return;
-        }
-        let newest = self.spilled.load(Ordering::Relaxed).wrapping_sub(1) & ORDER_MASK;
-        let age = newest.wrapping_sub(order & ORDER_MASK) & ORDER_MASK;
-        if age < self.window_file.load(Ordering::Relaxed) {
-            self.near_file.fetch_add(1, Ordering::Relaxed);
-        }
-    }
 }
 
 /// The compressed level of one engine.
@@ -185,7 +106,8 @@ pub(super) struct Compressed {
     order: Mutex<VecDeque<(u32, u32)>>,
     /// Pages decompressed on their way to the file (the evictor's alone).
     spill_buf: Mutex<Mapping>,
-    sizing: Sizing,
+    /// The pool's size as a share of the quota, in millionths (kept across quota changes).
+    share_ppm: AtomicU64,
     /// Set when a batch found the file unusable and the pool took none of it (the pages do
     /// not compress): eviction waits for the file, or the next epoch, instead of compressing
     /// the same pages again. Cleared each epoch.
@@ -193,8 +115,8 @@ pub(super) struct Compressed {
 }
 
 impl Compressed {
-    /// A level for a quota of `quota_pages` that may grow to `max_quota_pages`, starting at a
-    /// quarter of the quota and never above `asked_pages` (`--compressed-max`).
+    /// A level for a quota of `quota_pages` that may grow to `max_quota_pages`, whose pool
+    /// takes `asked_pages` (`--compressed-max`) or a sixteenth of the quota.
     pub(super) fn new(
         quota_pages: u64,
         max_quota_pages: u64,
@@ -207,11 +129,11 @@ impl Compressed {
             asked_pages,
             order: Mutex::new(VecDeque::new()),
             spill_buf: Mutex::new(Mapping::anon(SPILL_BATCH * PAGE_SIZE)?),
-            sizing: Sizing::default(),
+            share_ppm: AtomicU64::new(0),
             futile: Default::default(),
         };
-        let start = default_capacity(quota_pages).min(Self::max_for(asked_pages, quota_pages));
-        c.set_capacity(start, quota_pages);
+        let size = asked_pages.unwrap_or_else(|| default_capacity(quota_pages));
+        c.set_capacity(size, quota_pages);
         Ok(c)
     }
 
@@ -223,31 +145,19 @@ impl Compressed {
             .max(1)
     }
 
-    /// Sets the pool's capacity to `pages` (within its bounds) under a quota of `quota_pages`,
-    /// and the windows that sizing looks through. Returns the capacity in force.
+    /// Sets the pool's capacity to `pages` (at most its bound) under a quota of `quota_pages`.
+    /// Returns the capacity in force.
     fn set_capacity(&self, pages: u64, quota_pages: u64) -> u64 {
-        let step = sizing_step(quota_pages);
         let max = Self::max_for(self.asked_pages, quota_pages);
-        let pages = pages.clamp(step.min(max), max);
-        let c = self.pool.set_capacity(pages);
-        self.sizing
-            .share_ppm
+        let c = self.pool.set_capacity(pages.clamp(1, max));
+        self.share_ppm
             .store(c * 1_000_000 / quota_pages.max(1), Ordering::Relaxed);
-        let s = self.pool.stats();
-        let ratio = (s.objects * PAGE_SIZE as u64)
-            .checked_div(s.pool_bytes)
-            .map_or(2, |r| r.max(1));
-        let w = |v: u64| v.min(ORDER_MASK as u64) as u32;
-        self.sizing.window_pool.store(w(step), Ordering::Relaxed);
-        self.sizing
-            .window_file
-            .store(w(step * ratio), Ordering::Relaxed);
         c
     }
 
     /// The quota became `quota_pages`: the pool keeps its share of it.
     pub(super) fn quota_changed(&self, quota_pages: u64) {
-        let share = self.sizing.share_ppm.load(Ordering::Relaxed);
+        let share = self.share_ppm.load(Ordering::Relaxed);
         self.set_capacity(quota_pages * share / 1_000_000, quota_pages);
     }
 
@@ -305,7 +215,6 @@ impl Engine {
                 Stored::Object(handle) => {
                     self.forget_copy(p);
                     self.pt.set_hash(p, h);
-                    self.pt.set_order(p, c.sizing.next_stored());
                     self.pt.set_copy(p, Some(TierCopy::Pool(handle)));
                     self.pool_order_push(p, handle);
                     Counters::bump(&self.counters.compressed_stores);
@@ -446,9 +355,7 @@ impl Engine {
             self.write_to_file(&batch)
         };
         for (k, &(p, _, _)) in batch.iter().enumerate() {
-            if k < written {
-                self.pt.set_order(p, c.sizing.next_spilled());
-            } else {
+            if k >= written {
                 // Still in the pool: back in front for the next try.
                 if let Some(TierCopy::Pool(h)) = self.pt.copy(p) {
                     c.order().push_front((p as u32, h.raw()));
@@ -460,67 +367,6 @@ impl Engine {
         Counters::add(&self.counters.compressed_drops, dropped);
         self.quota.set_pool(c.pool.pages());
         before.saturating_sub(c.pool.pages())
-    }
-
-    /// A fault on page `p`, whose copy is in the file, for the pool's sizing.
-    pub(super) fn file_fault_sized(&self, p: usize) {
-        if let Some(c) = &self.compressed {
-            c.sizing.file_fault(self.pt.order(p));
-        }
-    }
-
-    /// At the end of an epoch: every few epochs, grows or shrinks the pool by a step as the
-    /// faults near its two boundaries say (see the module's "Sizing").
-    pub(super) fn size_pool(&self) {
-        let Some(c) = &self.compressed else {
-            return;
-        };
-        let mut period = c.sizing.period.lock().unwrap_or_else(|e| e.into_inner());
-        period.epochs += 1;
-        if period.epochs < SIZING_EPOCHS {
-            return;
-        }
-        period.epochs = 0;
-        let near_pool = c.sizing.near_pool.swap(0, Ordering::Relaxed);
-        let near_file = c.sizing.near_file.swap(0, Ordering::Relaxed);
-        let mean = |h: &crate::stats::LatencyHistogram, last: &mut (f64, u64), assumed: u64| {
-            let now = (h.sum_us(), h.count());
-            let (sum, n) = (now.0 - last.0, now.1 - last.1);
-            *last = now;
-            if n > 0 {
-                (sum * 1000.0 / n as f64) as u64
-            } else {
-                assumed
-            }
-        };
-        let c_pool = mean(
-            &self.counters.fault_compressed_latency,
-            &mut period.compressed,
-            ASSUMED_COMPRESSED_NS,
-        );
-        let c_file = mean(
-            &self.counters.fault_tier_latency,
-            &mut period.file,
-            ASSUMED_FILE_NS,
-        );
-        drop(period);
-        // What a step more of pool would save, and what a step less of uncompressed pages
-        // would cost, this period.
-        let gain = near_file * c_file.saturating_sub(c_pool);
-        let loss = near_pool * c_pool;
-        let quota = self.quota.wm().quota;
-        let step = sizing_step(quota);
-        let cap = c.pool.capacity_pages();
-        let target = if near_file >= SIZING_EVIDENCE && 2 * gain > 3 * loss {
-            Counters::bump(&self.counters.compressed_grows);
-            cap + step
-        } else if near_pool >= SIZING_EVIDENCE && 2 * loss > 3 * gain {
-            Counters::bump(&self.counters.compressed_shrinks);
-            cap.saturating_sub(step)
-        } else {
-            cap
-        };
-        c.set_capacity(target, quota);
     }
 
     /// Drops the pool copies of pages that are in DRAM again (the evictor, once an epoch).
@@ -580,12 +426,7 @@ impl Engine {
         // SAFETY: `buf` is a bounce buffer (at least a page) this call holds.
         let out = unsafe { &mut *(buf as *mut [u8; PAGE_SIZE]) };
         match copy {
-            TierCopy::Pool(h) => {
-                self.load_checked(p, h, out);
-                if let Some(c) = &self.compressed {
-                    c.sizing.pool_fault(self.pt.order(p));
-                }
-            }
+            TierCopy::Pool(h) => self.load_checked(p, h, out),
             TierCopy::Same => {
                 let word = self.pt.hash(p).to_ne_bytes();
                 for w in out.chunks_exact_mut(8) {
@@ -628,12 +469,10 @@ mod tests {
     }
 
     #[test]
-    fn the_pool_starts_at_a_quarter_and_stays_within_its_bounds() {
+    fn the_pool_takes_its_share_and_keeps_it_within_its_bounds() {
         let c = Compressed::new(1024, 4096, None).unwrap();
-        assert_eq!(c.pool.capacity_pages(), 256);
-        // Bounds: a step (1/32) to three quarters, or what was asked.
+        assert_eq!(c.pool.capacity_pages(), 64);
         assert_eq!(c.set_capacity(10_000, 1024), 768);
-        assert_eq!(c.set_capacity(1, 1024), 32);
         // A quota four times larger keeps the share.
         c.set_capacity(256, 1024);
         c.quota_changed(4096);
@@ -641,33 +480,7 @@ mod tests {
         let asked = Compressed::new(1024, 1024, Some(100)).unwrap();
         assert_eq!(asked.pool.capacity_pages(), 100);
         assert_eq!(asked.set_capacity(500, 1024), 100);
-    }
-
-    #[test]
-    fn sizing_counts_faults_near_the_boundaries_only() {
-        let s = Sizing::default();
-        s.window_pool.store(4, Ordering::Relaxed);
-        s.window_file.store(8, Ordering::Relaxed);
-        let stored: Vec<u32> = (0..100).map(|_| s.next_stored()).collect();
-        let spilled: Vec<u32> = (0..100).map(|_| s.next_spilled()).collect();
-        // The 4 newest objects are near; older ones, and file numbers, are not.
-        for &o in &stored[90..] {
-            s.pool_fault(o);
-        }
-        s.pool_fault(spilled[99]);
-        assert_eq!(s.near_pool.load(Ordering::Relaxed), 4);
-        // The 8 pages written back last are near; pool numbers are not.
-        for &o in &spilled[80..] {
-            s.file_fault(o);
-        }
-        s.file_fault(stored[99]);
-        assert_eq!(s.near_file.load(Ordering::Relaxed), 8);
-        // Numbers wrap.
-        s.stored.store(ORDER_MASK, Ordering::Relaxed);
-        let last = s.next_stored();
-        let first = s.next_stored();
-        assert_eq!((last, first), (ORDER_MASK, 0));
-        s.pool_fault(last);
-        assert_eq!(s.near_pool.load(Ordering::Relaxed), 5);
+        let too_much = Compressed::new(1024, 1024, Some(1000)).unwrap();
+        assert_eq!(too_much.pool.capacity_pages(), 768);
     }
 }

@@ -53,7 +53,6 @@ impl Engine {
                     self.sample_active(&mut sampler, &mut sampled);
                 }
                 Counters::bump(&self.counters.epochs);
-                self.size_pool();
             }
             let ecpu0 = sys::thread_cpu_ns();
             if self.file.reclaim.swap(false, Ordering::AcqRel)
@@ -483,6 +482,7 @@ impl Engine {
         let mut zero = 0u64;
         let mut clean = 0u64;
         let mut gone: Vec<usize> = Vec::new();
+        let pool_has_room = self.compressed.as_ref().is_some_and(|c| c.has_room());
         for &(p, s) in writing.iter() {
             let a = self.ring.addr(s);
             // SAFETY: the staging page is mapped (Writing is ours) and readable.
@@ -494,7 +494,14 @@ impl Engine {
             // SAFETY: as above.
             let bytes = unsafe { std::slice::from_raw_parts(a as *const u8, PAGE_SIZE) };
             let h = xxhash_rust::xxh3::xxh3_64(bytes);
-            let kept = matches!(self.pt.copy(p), Some(TierCopy::File(_) | TierCopy::Pool(_)));
+            // A page unchanged since its copy was taken leaves without a write, unless its
+            // copy is in the file and the pool has room: a fault on it then costs a
+            // decompression instead of a read (the file slot goes when it is stored).
+            let kept = match self.pt.copy(p) {
+                Some(TierCopy::Pool(_)) => true,
+                Some(TierCopy::File(_)) => !pool_has_room,
+                _ => false,
+            };
             if kept && self.pt.hash(p) == h {
                 clean += 1;
             } else {
@@ -627,8 +634,6 @@ impl Engine {
                 self.forget_copy(p);
                 self.pt.set_copy(p, Some(TierCopy::File(first + j as u64)));
                 self.pt.set_hash(p, h);
-                // Not in write-back order (a pool's write-back numbers its pages after).
-                self.pt.set_order(p, 0);
             }
         }
         if full {

@@ -567,7 +567,6 @@ impl Engine {
             &self.counters.faults_tier_slot_follows_only,
             by_slot_only as u64,
         );
-        self.file_fault_sized(p);
         let (buf, n) = self.read_verified(p, slot, n);
         // SAFETY: buf holds n pages just read; pages p..p+n are ours (Busy) and missing.
         unsafe { self.fill(p, buf, n, false, "mapping a fetched page failed") };

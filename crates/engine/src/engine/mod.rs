@@ -117,7 +117,7 @@ pub struct Config {
     /// no compressed level).
     pub compress: Compress,
     /// The most DRAM the compressed pool may take, in bytes, within the quota (default: a
-    /// quarter of the quota; never more than three quarters).
+    /// sixteenth of the quota; never more than three quarters).
     pub compressed_max_bytes: Option<u64>,
     /// For tests: device faults to inject in front of the tier file.
     #[doc(hidden)]
@@ -620,8 +620,6 @@ impl Engine {
             compressed_rejected: r(&c.compressed_rejected),
             compressed_spills: r(&c.compressed_spills),
             compressed_drops: r(&c.compressed_drops),
-            compressed_grows: r(&c.compressed_grows),
-            compressed_shrinks: r(&c.compressed_shrinks),
             fault_compressed_latency_p50_us: c.fault_compressed_latency.quantile_us(0.5),
             fault_compressed_latency_p99_us: c.fault_compressed_latency.quantile_us(0.99),
             tier_read_latency_buckets: c
@@ -635,6 +633,7 @@ impl Engine {
             evictor_runs: evictor.runs,
             evictor_wait_seconds: evictor.wait_ns as f64 / 1e9,
             quota_waits: r(&c.quota_waits),
+            quota_wait_seconds: r(&c.quota_wait_ns) as f64 / 1e9,
             quota_overruns: r(&c.quota_overruns),
             epochs: r(&c.epochs),
             scan_cpu_seconds: r(&c.scan_cpu_ns) as f64 / 1e9,

@@ -139,7 +139,9 @@ impl Quota {
             self.waiters.fetch_add(1, Ordering::AcqRel);
             if self.held() + n > limit && !self.overcommit.load(Ordering::Acquire) {
                 bell.ring();
+                let t0 = sys::now_ns();
                 sys::futex_wait(&self.freed, seen, 10_000_000);
+                Counters::add(&c.quota_wait_ns, sys::now_ns() - t0);
             }
             self.waiters.fetch_sub(1, Ordering::AcqRel);
         }
