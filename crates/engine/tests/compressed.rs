@@ -185,16 +185,29 @@ fn pages_in_the_pool_stay_readable_when_the_file_fails() {
         pages,
         Some(faults.clone()),
     );
-    // Every write to the file fails from now on, and so does every read.
+    // Every write to the file fails from now on. The pool fills, and then nothing can leave
+    // DRAM: the program must run on above its quota, never wait for eviction that cannot come.
     faults
         .write_errors
         .store(TierFaults::ALWAYS, Ordering::Relaxed);
+    let _w = common::watchdog(
+        "writing with the file failed and the pool full",
+        std::time::Duration::from_secs(60),
+    );
     let c = e.alloc(4 * pages * PAGE, PAGE).unwrap();
     for p in 0..4 * pages {
         write_page(c, 0, p, 1);
     }
     let s = e.snapshot();
     assert!(s.tier_errors > 0, "the file failed: {s:?}");
+    assert!(
+        s.compressed_pool_bytes + (64 << 10) >= s.compressed_capacity_bytes,
+        "the pool filled: {s:?}"
+    );
+    assert!(
+        s.quota_overruns > 0,
+        "the program ran on above its quota: {s:?}"
+    );
     // Nothing was lost: pages the file refused stayed in DRAM (above the quota) or the pool.
     check_all(e, c, 0, 4 * pages, 1);
     check_all(e, b, 0, pages, 1);

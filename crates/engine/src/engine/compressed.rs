@@ -227,7 +227,6 @@ impl Engine {
                 Stored::Full => to_file.push((p, s, h)),
             }
         }
-        self.quota.set_pool(c.pool.pages());
         out
     }
 
@@ -259,7 +258,6 @@ impl Engine {
         for &h in objects {
             c.pool.free(h);
         }
-        self.quota.set_pool(c.pool.pages());
     }
 
     /// Frees page `p`'s copy below DRAM, whatever level it is in (the page is ours).
@@ -270,7 +268,6 @@ impl Engine {
             Some(TierCopy::Pool(h)) => {
                 if let Some(c) = &self.compressed {
                     c.pool.free(h);
-                    self.quota.set_pool(c.pool.pages());
                 }
             }
             Some(TierCopy::Same) => {}
@@ -365,7 +362,6 @@ impl Engine {
         }
         Counters::add(&self.counters.compressed_spills, written as u64);
         Counters::add(&self.counters.compressed_drops, dropped);
-        self.quota.set_pool(c.pool.pages());
         before.saturating_sub(c.pool.pages())
     }
 
@@ -393,7 +389,6 @@ impl Engine {
         }
         if dropped > 0 {
             Counters::add(&self.counters.compressed_drops, dropped);
-            self.quota.set_pool(c.pool.pages());
         }
     }
 

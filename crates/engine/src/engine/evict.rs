@@ -73,6 +73,13 @@ impl Engine {
                 // Try again: the program freed slots, or the filesystem may have room now.
                 self.file.full.store(false, Ordering::Release);
             }
+            if !self.detached.load(Ordering::Acquire) && !self.tier_usable() {
+                // Nothing can leave DRAM now (the file failed or is full, and the pool is full
+                // or took nothing of the last batch): let faulting threads through rather than
+                // have them wait for eviction that cannot come.
+                self.quota.set_overcommit(true);
+                self.quota.wake_waiters();
+            }
             if !self.detached.load(Ordering::Acquire) && self.tier_usable() {
                 match evictor.relieve(self, &mut writing, new_epoch) {
                     Relief::Calm => self.quota.set_overcommit(false),
@@ -514,6 +521,13 @@ impl Engine {
         if !dirty.is_empty() {
             pooled = self.compress_out(&dirty, &mut to_file).stored;
         }
+        // Pages the pool would not take whose copy in the file is still theirs leave without
+        // a write after all.
+        to_file.retain(|&(p, _, h)| {
+            let kept = matches!(self.pt.copy(p), Some(TierCopy::File(_))) && self.pt.hash(p) == h;
+            clean += kept as u64;
+            !kept
+        });
         if !to_file.is_empty() {
             let addrs: Vec<(usize, usize, u64)> = to_file
                 .iter()

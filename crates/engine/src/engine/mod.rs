@@ -295,6 +295,9 @@ impl Engine {
                 .map_err(io_err("reserve the compressed pool"))?,
             ),
         };
+        let pool_pages = compressed
+            .as_ref()
+            .map_or_else(Default::default, |c| c.pool.pages_counter());
         let arrivals = needs
             .arrivals
             .then(Arrivals::new)
@@ -331,7 +334,7 @@ impl Engine {
             high_water: AtomicUsize::new(0),
             zero: Mapping::anon(ZERO_CHUNK * PAGE_SIZE).map_err(io_err("map zeros"))?,
             pagemap: sys::Pagemap::open().map_err(io_err("open /proc/self/pagemap"))?,
-            quota: Quota::new(quota_pages),
+            quota: Quota::new(quota_pages, pool_pages),
             bell: Doorbell::default(),
             epoch_ns: cfg.epoch_ms.max(1) * 1_000_000,
             detached: AtomicBool::new(false),

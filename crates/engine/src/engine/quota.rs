@@ -13,6 +13,7 @@
 //!   threads through above the quota (`overcommit`) when it cannot make room.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
 
 use memtide_policy::Watermarks;
 
@@ -59,8 +60,9 @@ pub(super) struct Quota {
     /// The quota in pages; it may change at run time ([`set`](Self::set)).
     pages: AtomicU64,
     resident: AtomicU64,
-    /// Pages of DRAM the compressed pool takes (set by whoever changes it).
-    pool: AtomicU64,
+    /// Pages of DRAM the compressed pool takes (the pool's own count, see
+    /// `Pool::pages_counter`).
+    pool: Arc<AtomicU64>,
     /// Bumped and woken when the evictor frees DRAM.
     freed: AtomicU32,
     waiters: AtomicU32,
@@ -72,11 +74,13 @@ pub(super) struct Quota {
 }
 
 impl Quota {
-    pub(super) fn new(pages: u64) -> Quota {
+    /// A quota of `pages`, bounding resident pages plus the pool's (`pool`, the pool's count
+    /// of its pages; a zero that stays zero when there is no pool).
+    pub(super) fn new(pages: u64, pool: Arc<AtomicU64>) -> Quota {
         Quota {
             pages: AtomicU64::new(Watermarks::for_quota(pages).quota),
             resident: AtomicU64::new(0),
-            pool: AtomicU64::new(0),
+            pool,
             freed: AtomicU32::new(0),
             waiters: AtomicU32::new(0),
             overcommit: AtomicBool::new(false),
@@ -105,11 +109,6 @@ impl Quota {
     /// Pages of DRAM the engine holds now: resident pages and the compressed pool's.
     pub(super) fn held(&self) -> u64 {
         self.resident() + self.pool.load(Ordering::Acquire)
-    }
-
-    /// The compressed pool takes `pages` of DRAM now.
-    pub(super) fn set_pool(&self, pages: u64) {
-        self.pool.store(pages, Ordering::Release);
     }
 
     /// Reserves DRAM for `n` pages, waiting for the evictor if the quota is used up.

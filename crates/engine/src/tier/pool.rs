@@ -30,7 +30,7 @@
 
 use std::io;
 use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use crate::sys::{self, Mapping};
 
@@ -140,8 +140,9 @@ pub struct Pool {
     memory: Mapping,
     /// The most pages its chunks may take now ([`set_capacity`](Self::set_capacity)).
     capacity_pages: AtomicU64,
-    /// Pages its chunks take now (as `Inner::pages`, readable without the lock).
-    pages_now: AtomicU64,
+    /// Pages its chunks take now (as `Inner::pages`, readable without the lock; shared with
+    /// whoever counts the pool's DRAM, see [`pages_counter`](Self::pages_counter)).
+    pages_now: Arc<AtomicU64>,
     /// Each chunk slot's class, or [`NO_CLASS`]: read by `load` without the lock.
     class_of: Box<[AtomicU16]>,
     inner: Mutex<Inner>,
@@ -179,7 +180,7 @@ impl Pool {
         Ok(Pool {
             memory: Mapping::anon(slots * SLOT)?,
             capacity_pages: AtomicU64::new(capacity_pages as u64),
-            pages_now: AtomicU64::new(0),
+            pages_now: Arc::new(AtomicU64::new(0)),
             class_of: (0..slots).map(|_| AtomicU16::new(NO_CLASS)).collect(),
             inner: Mutex::new(Inner {
                 classes,
@@ -353,6 +354,12 @@ impl Pool {
     /// Pages of DRAM the pool's chunks take now (no lock).
     pub fn pages(&self) -> u64 {
         self.pages_now.load(Ordering::Acquire)
+    }
+
+    /// The count of pages the pool's chunks take, kept up to date under the pool's lock: a
+    /// quota that holds it reads the pool's DRAM as it is, never a stale copy.
+    pub fn pages_counter(&self) -> Arc<AtomicU64> {
+        self.pages_now.clone()
     }
 
     /// The most pages the pool may take.
