@@ -18,8 +18,8 @@ pub mod tier;
 pub mod uffd;
 
 pub use engine::{
-    process_rss_bytes, Compress, Config, Engine, Event, EvictionPolicy, MemError, PageInfo, Pinned,
-    StartError,
+    process_rss_bytes, Compress, Config, Engine, Event, EvictionPolicy, ForkPlan, MemError,
+    PageInfo, Pinned, StartError,
 };
 pub use signal::Fault;
 pub use stats::Snapshot;

@@ -178,6 +178,8 @@ pub struct Counters {
     pub quota_wait_ns: AtomicU64,
     /// Pages admitted above the quota because eviction could not make room.
     pub quota_overruns: AtomicU64,
+    /// Forks after which both processes stay tiered.
+    pub forks: AtomicU64,
     pub epochs: AtomicU64,
     pub scan_cpu_ns: AtomicU64,
     pub evict_cpu_ns: AtomicU64,
@@ -340,6 +342,13 @@ pub struct Snapshot {
     #[serde(default)]
     pub quota_wait_seconds: f64,
     pub quota_overruns: u64,
+    /// Forks after which both processes stay tiered (the child's own engine started).
+    #[serde(default)]
+    pub forks: u64,
+    /// The process this one was forked from, when its engine came with the fork (0: started
+    /// its own).
+    #[serde(default)]
+    pub forked_from: u32,
     /// What the scheduler says of the handler threads, summed: times given a CPU, time spent
     /// runnable waiting for one (after a wake-up: a fault, an I/O completion), time on one.
     /// The wait per run is what a fault pays before its handler runs (0 in statistics from

@@ -275,6 +275,24 @@ impl Mapping {
         Ok(Mapping { addr, len })
     }
 
+    /// Maps `len` bytes (rounded up to pages) of zeroed memory shared with the children this
+    /// process forks (`MAP_SHARED`): what one writes, the others see.
+    pub fn shared_anon(len: usize) -> io::Result<Mapping> {
+        let len = round_up(len.max(1), PAGE_SIZE);
+        // SAFETY: a fresh mapping at a kernel-chosen address cannot clobber anything.
+        let addr = unsafe {
+            mmap(
+                0,
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )?
+        };
+        Ok(Mapping { addr, len })
+    }
+
     pub fn addr(&self) -> usize {
         self.addr
     }
@@ -348,19 +366,37 @@ pub struct Pagemap {
 
 impl Pagemap {
     pub fn open() -> io::Result<Pagemap> {
+        Ok(Pagemap {
+            fd: crate::fds::lift_raw(Pagemap::open_raw()?),
+        })
+    }
+
+    /// In a forked child: reads this process's page tables from now on (the descriptor
+    /// inherited from the parent reads the parent's), at the same descriptor number.
+    pub fn reopen(&self) -> io::Result<()> {
+        let fresh = Pagemap::open_raw()?;
+        // SAFETY: dup3 (the system call: the preload library refuses dup3 onto memtide's own) onto our own descriptor, then closing the fresh one.
+        let ret = unsafe { libc::syscall(libc::SYS_dup3, fresh, self.fd, libc::O_CLOEXEC) };
+        let e = io::Error::last_os_error();
+        // SAFETY: `fresh` is ours.
+        unsafe { libc::close(fresh) };
+        if ret < 0 {
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    fn open_raw() -> io::Result<i32> {
         const PATH: &[u8] = b"/proc/self/pagemap\0";
         // SAFETY: opening a file by a NUL-terminated path.
-        let fd = check(unsafe {
+        Ok(check(unsafe {
             libc::syscall(
                 libc::SYS_openat,
                 libc::AT_FDCWD,
                 PATH.as_ptr(),
                 libc::O_RDONLY | libc::O_CLOEXEC,
             )
-        })? as i32;
-        Ok(Pagemap {
-            fd: crate::fds::lift_raw(fd),
-        })
+        })? as i32)
     }
 
     /// Fills `out` with the presence of the pages from `addr` on, one entry per page.
@@ -607,6 +643,135 @@ pub fn set_signal_handler(sig: i32, handler: libc::sighandler_t) {
 pub fn new_session() {
     // SAFETY: setsid has no memory-safety preconditions.
     unsafe { libc::setsid() };
+}
+
+/// A connected pair of Unix stream sockets, close-on-exec (a forking parent passes its child
+/// the child's userfaultfd on one).
+pub fn socket_pair() -> io::Result<(i32, i32)> {
+    let mut fds = [-1i32; 2];
+    // SAFETY: socketpair writes two descriptors into `fds`.
+    check(unsafe {
+        libc::socketpair(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_CLOEXEC,
+            0,
+            fds.as_mut_ptr(),
+        ) as libc::c_long
+    })?;
+    Ok((fds[0], fds[1]))
+}
+
+/// Sends descriptor `fd` over socket `sock` (SCM_RIGHTS, with one byte of data).
+pub fn send_fd(sock: i32, fd: i32) -> io::Result<()> {
+    let mut byte = 1u8;
+    let mut iov = libc::iovec {
+        iov_base: &mut byte as *mut u8 as *mut libc::c_void,
+        iov_len: 1,
+    };
+    // Room for one descriptor's control message, aligned for cmsghdr.
+    let mut cbuf = [0u64; 8];
+    // SAFETY: building a msghdr over our own buffers; CMSG_* compute within `cbuf`.
+    unsafe {
+        let space = libc::CMSG_SPACE(std::mem::size_of::<i32>() as u32) as usize;
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = cbuf.as_mut_ptr() as *mut libc::c_void;
+        msg.msg_controllen = space;
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<i32>() as u32) as usize;
+        std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut i32, fd);
+        loop {
+            let r = libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL);
+            if r >= 0 {
+                return Ok(());
+            }
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EINTR) {
+                return Err(e);
+            }
+        }
+    }
+}
+
+/// Receives a descriptor sent with [`send_fd`] (close-on-exec).
+pub fn recv_fd(sock: i32) -> io::Result<i32> {
+    let mut byte = 0u8;
+    let mut iov = libc::iovec {
+        iov_base: &mut byte as *mut u8 as *mut libc::c_void,
+        iov_len: 1,
+    };
+    let mut cbuf = [0u64; 8];
+    // SAFETY: a msghdr over our own buffers; the control message is read within `cbuf`.
+    unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = cbuf.as_mut_ptr() as *mut libc::c_void;
+        msg.msg_controllen = std::mem::size_of_val(&cbuf);
+        loop {
+            let r = libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC);
+            if r > 0 {
+                break;
+            }
+            if r == 0 {
+                return Err(io::Error::from(io::ErrorKind::UnexpectedEof));
+            }
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EINTR) {
+                return Err(e);
+            }
+        }
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        if c.is_null() || (*c).cmsg_level != libc::SOL_SOCKET || (*c).cmsg_type != libc::SCM_RIGHTS
+        {
+            return Err(io::Error::other("no descriptor in the message"));
+        }
+        Ok(std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const i32))
+    }
+}
+
+/// Writes one byte to socket `sock`.
+pub fn send_byte(sock: i32, b: u8) -> io::Result<()> {
+    loop {
+        // SAFETY: sending one byte from our own variable.
+        let r = unsafe {
+            libc::send(
+                sock,
+                &b as *const u8 as *const libc::c_void,
+                1,
+                libc::MSG_NOSIGNAL,
+            )
+        };
+        if r >= 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINTR) {
+            return Err(e);
+        }
+    }
+}
+
+/// Reads one byte from socket `sock`: `None` at end of stream.
+pub fn recv_byte(sock: i32) -> io::Result<Option<u8>> {
+    let mut b = 0u8;
+    loop {
+        // SAFETY: reading one byte into our own variable.
+        let r = unsafe { libc::recv(sock, &mut b as *mut u8 as *mut libc::c_void, 1, 0) };
+        if r > 0 {
+            return Ok(Some(b));
+        }
+        if r == 0 {
+            return Ok(None);
+        }
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINTR) {
+            return Err(e);
+        }
+    }
 }
 
 #[cfg(test)]

@@ -19,9 +19,14 @@ const UFFDIO: u64 = 0xAA;
 pub const FEATURE_SIGBUS: u64 = 1 << 7;
 pub const FEATURE_THREAD_ID: u64 = 1 << 8;
 pub const FEATURE_MOVE: u64 = 1 << 16;
+/// The process's forks are reported with a userfaultfd of the child's (needs CAP_SYS_PTRACE).
+pub const FEATURE_EVENT_FORK: u64 = 1 << 1;
 
 /// `uffd_msg.event` of a page fault.
 const EVENT_PAGEFAULT: u8 = 0x12;
+/// `uffd_msg.event` of a fork: `arg.fork.ufd` (the low word of `flags` here) is a new
+/// descriptor, in the reading process, of the child's userfaultfd.
+const EVENT_FORK: u8 = 0x13;
 
 /// How faults in registered memory reach whoever resolves them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -61,6 +66,10 @@ pub struct PageFault {
 }
 
 const REGISTER_MODE_MISSING: u64 = 1;
+/// madvise: fault the range in writable, as a write would (breaking copy-on-write sharing),
+/// without writing.
+const MADV_POPULATE_WRITE: i32 = 23;
+
 const PAGE: usize = 4096;
 
 #[repr(C)]
@@ -164,6 +173,8 @@ pub enum OpenError {
 pub struct Uffd {
     fd: crate::fds::Lifted<OwnedFd>,
     delivery: Delivery,
+    /// Whether forks are reported (see [`FEATURE_EVENT_FORK`]).
+    fork_events: bool,
     /// Fault injection for tests: every Nth move that moved pages reports one page fewer and
     /// fails with EEXIST, as 6.18's batched move can after an internal retry (0: off).
     underreport_every: AtomicU32,
@@ -194,13 +205,39 @@ pub struct MoveReport {
 
 impl Uffd {
     /// Opens a userfaultfd with UFFDIO_MOVE and the given [`Delivery`] of faults.
+    ///
+    /// With handler threads, forks are reported too where the kernel allows it (it asks for
+    /// CAP_SYS_PTRACE): a child then keeps its registered memory and gets a userfaultfd of its
+    /// own, and the engine tiers both processes. Without, see [`fork_events`](Self::fork_events).
     pub fn open(delivery: Delivery) -> Result<Uffd, OpenError> {
-        let fd = Self::open_fd(delivery)?;
         let want = FEATURE_MOVE
             | match delivery {
                 Delivery::Signal => FEATURE_SIGBUS,
                 Delivery::Threads => FEATURE_THREAD_ID,
             };
+        let (fd, fork_events) = match delivery {
+            Delivery::Threads => match Self::open_api(delivery, want | FEATURE_EVENT_FORK) {
+                Ok(fd) => (fd, true),
+                Err(OpenError::Other(_)) | Err(OpenError::MissingFeatures) => {
+                    (Self::open_api(delivery, want)?, false)
+                }
+                Err(e) => return Err(e),
+            },
+            Delivery::Signal => (Self::open_api(delivery, want)?, false),
+        };
+        Ok(Uffd {
+            fd: crate::fds::lift(fd),
+            delivery,
+            fork_events,
+            underreport_every: AtomicU32::new(0),
+            moves: AtomicU32::new(0),
+            copy_eexist: AtomicU32::new(0),
+        })
+    }
+
+    /// A userfaultfd with the `want`ed features.
+    fn open_api(delivery: Delivery, want: u64) -> Result<OwnedFd, OpenError> {
+        let fd = Self::open_fd(delivery)?;
         let mut api = UffdioApi {
             api: UFFD_API,
             features: want,
@@ -219,23 +256,44 @@ impl Uffd {
         if api.features & want != want {
             return Err(OpenError::MissingFeatures);
         }
-        Ok(Uffd {
-            fd: crate::fds::lift(fd),
-            delivery,
-            underreport_every: AtomicU32::new(0),
-            moves: AtomicU32::new(0),
-            copy_eexist: AtomicU32::new(0),
-        })
+        Ok(fd)
     }
 
     pub fn delivery(&self) -> Delivery {
         self.delivery
     }
 
+    /// Whether the kernel reports this process's forks (userfaultfd's fork events: handler
+    /// threads, and the privilege the kernel asks for them, CAP_SYS_PTRACE).
+    pub fn fork_events(&self) -> bool {
+        self.fork_events
+    }
+
+    /// In a forked child: from now on this is `fd`, the child's own userfaultfd (which the
+    /// parent's fork event carried), at the same descriptor number. `fd` is closed.
+    pub fn adopt(&self, fd: i32) -> io::Result<()> {
+        // SAFETY: dup3 (the system call: the preload library refuses dup3 onto memtide's own) onto our own descriptor, then closing the one we were given.
+        let ret =
+            unsafe { libc::syscall(libc::SYS_dup3, fd, self.fd.as_raw_fd(), libc::O_CLOEXEC) };
+        let e = io::Error::last_os_error();
+        // SAFETY: `fd` is ours to close.
+        unsafe { libc::close(fd) };
+        if ret < 0 {
+            return Err(e);
+        }
+        Ok(())
+    }
+
     /// Reads the page faults waiting on the userfaultfd into `out` (as many as fit) and returns
     /// how many, waiting for one if none is there (0 if the wait was interrupted). Other events
     /// are not asked for and are skipped. Allocates nothing.
-    pub fn read_faults(&self, out: &mut [PageFault]) -> io::Result<usize> {
+    ///
+    /// A fork event's descriptor (the child's userfaultfd) goes to `forked`.
+    pub fn read_faults(
+        &self,
+        out: &mut [PageFault],
+        mut forked: impl FnMut(i32),
+    ) -> io::Result<usize> {
         let mut msgs = [UffdMsg::default(); 16];
         let want = out.len().min(msgs.len());
         // SAFETY: reading at most `want` whole messages into our array.
@@ -261,9 +319,22 @@ impl Uffd {
                     tid: m.ptid,
                 };
                 n += 1;
+            } else if m.event == EVENT_FORK {
+                forked(m.flags as u32 as i32);
             }
         }
         Ok(n)
+    }
+
+    /// Whether a message waits to be read, waiting at most `ms` milliseconds.
+    pub fn readable(&self, ms: i32) -> bool {
+        let mut p = libc::pollfd {
+            fd: self.fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: poll on one pollfd of ours.
+        unsafe { libc::poll(&mut p, 1, ms) > 0 }
     }
 
     /// Wakes the threads waiting on faults in `[start, start+len)` (to retry their access).
@@ -450,6 +521,9 @@ impl Uffd {
         dontwake: bool,
     ) -> Result<(), Partial> {
         let mut done = 0;
+        // Where the sharing with a forked process was last broken (once per page: `done`
+        // only grows).
+        let mut cow_broken = usize::MAX;
         while done < len {
             let mut m = UffdioMove {
                 dst: (dst + done) as u64,
@@ -473,6 +547,19 @@ impl Uffd {
                 let error = io::Error::last_os_error();
                 if error.raw_os_error() == Some(libc::EAGAIN) {
                     continue;
+                }
+                if error.raw_os_error() == Some(libc::EBUSY) && cow_broken != done {
+                    // The page is shared with a process forked from this one (or this one
+                    // with its parent), copy-on-write: a move takes only a page this process
+                    // holds alone. Breaking the sharing gives this process its own copy,
+                    // with the same bytes, without touching them; then the move goes on.
+                    // Any other reason to refuse (a page pinned for I/O) is refused again.
+                    cow_broken = done;
+                    // SAFETY: advice on a page of the caller's range.
+                    if unsafe { crate::sys::madvise(src + done, PAGE, MADV_POPULATE_WRITE) }.is_ok()
+                    {
+                        continue;
+                    }
                 }
                 return Err(self.maybe_underreport(Partial { done, error }));
             }

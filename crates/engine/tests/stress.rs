@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::RwLock;
 use std::time::{Duration, Instant};
 
-use memtide_engine::{Config, Engine, EvictionPolicy};
+use memtide_engine::{Config, Engine, EvictionPolicy, ForkPlan};
 
 mod common;
 
@@ -475,13 +475,19 @@ fn stress_eviction_racing_with_access(run_for: Duration, policy: EvictionPolicy)
     // With the program's threads gone (audit pauses the evictor), the books must balance.
     engine.audit().expect("page table books balance");
 
-    // Fork: the child sees memory as it was at the fork; neither sees the other's writes.
-    engine.detach_for_fork();
+    // Fork: both stay tiered; the child sees memory as it was at the fork; neither sees the
+    // other's writes.
     let l0 = world.blocks[0].layout.read().unwrap();
     let v0 = world.blocks[0].versions[0].load(Ordering::Acquire);
-    // SAFETY: the child only reads and writes memory and calls _exit.
+    let plan = engine.fork_prepare();
+    assert!(
+        matches!(plan, ForkPlan::Tiered { .. }),
+        "fork events are available here (root, handler threads)"
+    );
+    // SAFETY: the child only reads and writes memory, runs its engine, and calls _exit.
     let pid = unsafe { libc::fork() };
     if pid == 0 {
+        engine.fork_child(plan);
         let mut bad = world.verify_all("child after fork");
         World::fill(&l0, 0, 0xDEAD);
         if !world.check(&l0, 0, 0xDEAD, "child own write") {
@@ -490,6 +496,7 @@ fn stress_eviction_racing_with_access(run_for: Duration, policy: EvictionPolicy)
         // SAFETY: leaving the child without running the parent's destructors.
         unsafe { libc::_exit(if bad == 0 { 0 } else { 1 }) };
     }
+    engine.fork_parent(plan);
     let mut status = 0;
     // SAFETY: waiting for our own child.
     unsafe { libc::waitpid(pid, &mut status, 0) };

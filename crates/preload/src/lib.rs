@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, AtomicUsize, Ordering};
 
 use memtide_engine::launch::{self, Settings};
-use memtide_engine::{say, Config, Delivery, Engine};
+use memtide_engine::{say, Config, Delivery, Engine, ForkPlan};
 
 extern "C" {
     pub(crate) fn __libc_malloc(size: usize) -> *mut libc::c_void;
@@ -236,18 +236,66 @@ extern "C" fn at_exit() {
     }
 }
 
+/// One fork at a time goes through the engine (two threads forking at once take turns).
+static FORKING: AtomicBool = AtomicBool::new(false);
+/// What the prepare handler decided, for the parent's and the child's handlers.
+static FORK_PLAN: std::sync::Mutex<Option<ForkPlan>> = std::sync::Mutex::new(None);
+
+/// The prepare handler, registered before the program's own, so it runs after them (glibc
+/// runs prepare handlers in reverse order): the program's handlers may still use managed
+/// memory; from here to the fork only glibc runs.
 extern "C" fn before_fork() {
-    if let Some(e) = engine() {
-        if !e.in_child() && e.managed_pages() > 0 {
-            e.detach_for_fork();
-        }
+    let Some(e) = engine() else {
+        return;
+    };
+    while FORKING
+        .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+        .is_err()
+    {
+        std::thread::yield_now();
     }
+    let plan = e.fork_prepare();
+    *FORK_PLAN.lock().unwrap_or_else(|p| p.into_inner()) = Some(plan);
 }
 
-/// In a child forked without exec the engine serves nothing: the descriptors it inherited
-/// are the program's to close like any other (they keep the parent's tier file allocated).
+fn take_plan() -> ForkPlan {
+    FORK_PLAN
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take()
+        .unwrap_or(ForkPlan::Nothing)
+}
+
+/// The parent's handler (after the fork, or after a failed one), first of the program's.
+extern "C" fn after_fork_parent() {
+    let Some(e) = engine() else {
+        return;
+    };
+    e.fork_parent(take_plan());
+    FORKING.store(false, Ordering::Release);
+}
+
+/// The child's handler, first of the program's: the child's engine starts, on the books the
+/// fork copied. Where the engine did not come with the fork (the parent detached, or it is
+/// off), it serves nothing here: the descriptors the child inherited are the program's to
+/// close like any other (they keep the parent's tier file allocated).
 extern "C" fn in_fork_child() {
-    memtide_engine::fds::forget_all();
+    let plan = take_plan();
+    FORKING.store(false, Ordering::Release);
+    let Some(e) = engine() else {
+        memtide_engine::fds::forget_all();
+        return;
+    };
+    if !matches!(plan, ForkPlan::Tiered { .. }) {
+        memtide_engine::fds::forget_all();
+        return;
+    }
+    e.fork_child(plan);
+    // SAFETY: SETTINGS is set whenever the engine runs.
+    let s = unsafe { &*SETTINGS.load(Ordering::Acquire) };
+    if let Some(dir) = &s.stats_dir {
+        start_stats_thread(e, dir.clone(), s.stats_interval_ms);
+    }
 }
 
 extern "C" fn init() {
@@ -264,7 +312,11 @@ extern "C" fn init() {
         // SAFETY: registering plain extern "C" callbacks with the C runtime.
         unsafe {
             libc::atexit(at_exit);
-            libc::pthread_atfork(Some(before_fork), None, Some(in_fork_child));
+            libc::pthread_atfork(
+                Some(before_fork),
+                Some(after_fork_parent),
+                Some(in_fork_child),
+            );
         }
     }
 }

@@ -24,6 +24,8 @@ impl Engine {
     pub(super) fn evictor_main(&self) {
         self.evictor_tid
             .store(crate::threads::gettid(), Ordering::Relaxed);
+        // This process is a member of its tree for as long as this thread lives (see fork.rs).
+        self.hold_member();
         let mut evictor = self.policy.evictor(self);
         let mut clock = EpochClock::new(self.epoch_ns);
         let mut sampled: Vec<usize> = Vec::with_capacity(active::SAMPLE as usize);
@@ -53,6 +55,7 @@ impl Engine {
                     self.sample_active(&mut sampler, &mut sampled);
                 }
                 Counters::bump(&self.counters.epochs);
+                self.reap_members();
             }
             let ecpu0 = sys::thread_cpu_ns();
             if self.file.reclaim.swap(false, Ordering::AcqRel)

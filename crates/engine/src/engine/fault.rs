@@ -133,6 +133,7 @@ impl Engine {
     /// SIGBUS handler of the faulting thread, or directly to bring a page in before a system
     /// call uses it.
     pub fn handle_fault(&self, addr: usize) -> Fault {
+        let _inside = self.gate.enter();
         if !self.contains(addr) {
             return Fault::NotManaged;
         }

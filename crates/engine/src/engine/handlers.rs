@@ -31,6 +31,11 @@ const STRAY_LIMIT: u32 = 1000;
 /// message does not repeat.
 const STRAY_RETRIES: u32 = 3;
 
+/// Faults a handler thread holds while a fork has the engine's gate closed (one per thread
+/// waiting; a handler holding this many waits at the gate, leaving the fork's event to the
+/// others).
+const HELD: usize = 64;
+
 /// The latest stray faults per thread (a few threads at a time; a thread whose entry was
 /// taken by another just needs more retries). Fixed size: a handler thread must not allocate
 /// (a thread waiting on a fault may hold the allocator's lock).
@@ -77,13 +82,38 @@ impl Engine {
 
     fn handler_main(&self) -> ! {
         let mut faults = [PageFault { address: 0, tid: 0 }; 16];
+        // Faults read while a fork had the engine's gate closed, served once it opens. The
+        // handler keeps reading meanwhile: the fork's own event comes through the same
+        // userfaultfd, and the fork waits until it is read.
+        let mut held = [PageFault { address: 0, tid: 0 }; HELD];
+        let mut n_held = 0;
         loop {
+            if n_held > 0 {
+                if let Some(_inside) = self.gate.try_enter() {
+                    for f in &held[..n_held] {
+                        self.serve(f);
+                    }
+                    n_held = 0;
+                } else if !self.uffd.readable(1) {
+                    continue;
+                }
+            }
             let n = self
                 .uffd
-                .read_faults(&mut faults)
+                .read_faults(&mut faults, |fd| self.forked(fd))
                 .unwrap_or_else(|e| fatal("reading faults from the userfaultfd failed", &e));
             for f in &faults[..n] {
-                self.serve(f);
+                match self.gate.try_enter() {
+                    Some(_inside) => self.serve(f),
+                    None if n_held < HELD => {
+                        held[n_held] = *f;
+                        n_held += 1;
+                    }
+                    None => {
+                        let _inside = self.gate.enter();
+                        self.serve(f);
+                    }
+                }
             }
         }
     }
@@ -129,7 +159,7 @@ impl Engine {
         unsafe {
             libc::syscall(
                 libc::SYS_tgkill,
-                self.pid as libc::c_long,
+                self.pid.load(std::sync::atomic::Ordering::Relaxed) as libc::c_long,
                 f.tid as libc::c_long,
                 libc::SIGSEGV as libc::c_long,
             )

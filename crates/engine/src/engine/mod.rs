@@ -46,6 +46,7 @@ mod compressed;
 mod evict;
 mod fatal;
 mod fault;
+mod fork;
 mod handlers;
 mod place;
 mod policy;
@@ -57,7 +58,7 @@ mod store;
 
 use std::io;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use memtide_policy::ahead::ZERO_CHUNK;
@@ -85,6 +86,7 @@ use record::Recorder;
 use ring::StagingRing;
 use store::Store;
 
+pub use fork::ForkPlan;
 pub use region::Pinned;
 
 /// What the engine is asked to do.
@@ -243,7 +245,18 @@ pub struct Engine {
     handler_tids: Mutex<Vec<u32>>,
     evictor_tid: std::sync::atomic::AtomicU32,
     start_ns: u64,
-    pid: u32,
+    /// This process (a forked child's engine changes it to its own).
+    pid: AtomicU32,
+    /// The process this engine was forked from (0: started here).
+    forked_from: AtomicU32,
+    /// Closed around a fork (see `fork.rs`).
+    gate: fork::Gate,
+    /// The members of the process tree that share the tier file.
+    tree: fork::Tree,
+    /// This process's member number in it.
+    member: AtomicU32,
+    /// Where a handler thread sends a fork's userfaultfd.
+    fork_link: fork::ForkLink,
 }
 
 impl Engine {
@@ -327,7 +340,7 @@ impl Engine {
             compressed,
             file: Store::new(
                 tier,
-                SlotMap::new(tier_limit, tier_cap),
+                SlotMap::new(tier_limit, tier_cap).map_err(io_err("map the tier's slot map"))?,
                 BouncePool::new().map_err(io_err("map bounce buffers"))?,
             ),
             ranges: Mutex::new(RangeAlloc::new(arena_pages)),
@@ -353,7 +366,12 @@ impl Engine {
             handler_tids: Mutex::new(Vec::new()),
             evictor_tid: std::sync::atomic::AtomicU32::new(0),
             start_ns,
-            pid: std::process::id(),
+            pid: AtomicU32::new(std::process::id()),
+            forked_from: AtomicU32::new(0),
+            gate: fork::Gate::new(),
+            tree: fork::Tree::new().map_err(io_err("map the process tree's members"))?,
+            member: AtomicU32::new(0),
+            fork_link: fork::ForkLink::new(),
             arena,
             uffd,
         }));
@@ -371,26 +389,34 @@ impl Engine {
             ));
         }
         let e: &'static Engine = engine;
-        match cfg.faults {
-            Delivery::Signal => {
-                crate::signal::install().map_err(io_err("install the SIGBUS handler"))?;
-                crate::signal::register(e);
-            }
-            Delivery::Threads => {
-                e.start_handlers()
-                    .map_err(io_err("start the fault handler threads"))?;
-            }
+        if cfg.faults == Delivery::Signal {
+            crate::signal::install().map_err(io_err("install the SIGBUS handler"))?;
+            crate::signal::register(e);
         }
-        crate::threads::spawn("memtide-evict", move || e.evictor_main())
-            .map_err(io_err("start the evictor thread"))?;
-        if e.recorder.is_some() {
+        e.start_threads()
+            .map_err(io_err("start the engine's threads"))?;
+        Ok(e)
+    }
+
+    /// Starts the engine's threads: the handler threads (faults delivered to threads), the
+    /// evictor, and the recording thread (`--record`, not in a forked child).
+    fn start_threads(&'static self) -> io::Result<()> {
+        if self.uffd.delivery() == Delivery::Threads {
+            self.start_handlers()?;
+        }
+        crate::threads::spawn("memtide-evict", move || self.evictor_main())?;
+        if self.recorder.is_some() && !self.is_forked() {
             crate::threads::spawn("memtide-record", move || loop {
                 std::thread::sleep(std::time::Duration::from_millis(20));
-                e.flush_record();
-            })
-            .map_err(io_err("start the recording thread"))?;
+                self.flush_record();
+            })?;
         }
-        Ok(e)
+        Ok(())
+    }
+
+    /// Whether this engine came to this process with a fork (its parent started it).
+    pub fn is_forked(&self) -> bool {
+        self.forked_from.load(Ordering::Relaxed) != 0
     }
 
     // ----- addresses -----
@@ -429,6 +455,10 @@ impl Engine {
     /// Writes out what `--record` has collected (the recording thread does so every 20 ms;
     /// call it once more at exit).
     pub fn flush_record(&self) {
+        if self.is_forked() {
+            // The recording is the parent's.
+            return;
+        }
         if let Some(r) = &self.recorder {
             if let Err(e) = r.drain() {
                 self.warn(format!(
@@ -456,6 +486,7 @@ impl Engine {
     /// through at once; a smaller one wakes the evictor, which demotes the coldest pages until
     /// the managed memory fits again.
     pub fn set_quota_bytes(&self, bytes: u64) -> u64 {
+        let _inside = self.gate.enter();
         let q = self.quota.set(bytes / PAGE_SIZE as u64);
         if let Some(c) = &self.compressed {
             c.quota_changed(q);
@@ -478,6 +509,7 @@ impl Engine {
     /// only in tier 1 fill the limit, eviction stops and the program holds DRAM above its quota
     /// rather than lose a page.
     pub fn set_tier_bytes(&self, bytes: u64) -> u64 {
+        let _inside = self.gate.enter();
         let limit = self.file.slots().set_limit(bytes / PAGE_SIZE as u64);
         self.file.reclaim.store(true, Ordering::Release);
         self.bell.ring_always();
@@ -531,6 +563,7 @@ impl Engine {
 
     /// The counters now.
     pub fn snapshot(&self) -> Snapshot {
+        let _inside = self.gate.enter();
         let c = &self.counters;
         let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let page = PAGE_SIZE as u64;
@@ -563,7 +596,9 @@ impl Engine {
             status.anon.saturating_sub(dram_bytes),
         );
         Snapshot {
-            pid: self.pid,
+            pid: self.pid.load(Ordering::Relaxed),
+            forked_from: self.forked_from.load(Ordering::Relaxed),
+            forks: r(&c.forks),
             elapsed_seconds: (sys::now_ns() - self.start_ns) as f64 / 1e9,
             quota_bytes: self.quota.wm().quota * page,
             dram_bytes,

@@ -22,6 +22,8 @@ impl Engine {
     /// Allocates `len` bytes of managed memory aligned to `align` (a power of two, at least a
     /// page), as for an anonymous `mmap`. The memory reads as zeros.
     pub fn alloc(&self, len: usize, align: usize) -> Result<usize, MemError> {
+        // Not while a fork has the engine quiet (see fork.rs).
+        let _inside = self.gate.enter();
         self.alloc_kind(len, align, false)
     }
 
@@ -29,6 +31,7 @@ impl Engine {
     /// so that [`malloc_len`](Self::malloc_len) knows it. (Other allocators may place their
     /// own blocks in managed mappings; those are not ours to free.)
     pub fn alloc_malloc(&self, len: usize, align: usize) -> Result<usize, MemError> {
+        let _inside = self.gate.enter();
         self.alloc_kind(len, align, true)
     }
 
@@ -150,6 +153,7 @@ impl Engine {
 
     /// `munmap` of managed memory: the range goes back to the arena.
     pub fn release(&self, addr: usize, len: usize) -> Result<(), MemError> {
+        let _inside = self.gate.enter();
         let (first, pages) = self.page_range(addr, len)?;
         if self.in_child() {
             return self.child_zap(first, pages);
@@ -279,6 +283,7 @@ impl Engine {
         len: usize,
         map: impl FnOnce() -> std::io::Result<()>,
     ) -> std::io::Result<()> {
+        let _inside = self.gate.enter();
         let einval = || std::io::Error::from_raw_os_error(libc::EINVAL);
         let (first, pages) = self.page_range(addr, len).map_err(|_| einval())?;
         if self.in_child() || self.is_detached() {
@@ -319,6 +324,7 @@ impl Engine {
     /// heap) and give it back (`PROT_NONE`). The range reads as zeros, stays managed, and has
     /// the protection asked for.
     pub fn commit(&self, addr: usize, len: usize, prot: i32) -> std::io::Result<()> {
+        let _inside = self.gate.enter();
         let einval = || std::io::Error::from_raw_os_error(libc::EINVAL);
         let (first, pages) = self.page_range(addr, len).map_err(|_| einval())?;
         if pages < len.div_ceil(PAGE_SIZE) {
@@ -375,6 +381,7 @@ impl Engine {
     /// `madvise(MADV_DONTNEED/MADV_FREE)` of managed memory: the range stays allocated and
     /// reads as zeros.
     pub fn discard(&self, addr: usize, len: usize) -> Result<(), MemError> {
+        let _inside = self.gate.enter();
         let (first, pages) = self.page_range(addr, len)?;
         if self.in_child() {
             return self.child_zap(first, pages);
@@ -417,6 +424,7 @@ impl Engine {
     /// `UFFDIO_MOVE` to and from staging refuses, so the evictor leaves them in DRAM until the
     /// program makes them read-write again; nothing else changes for them.
     pub fn protect(&self, addr: usize, len: usize, prot: i32) -> std::io::Result<()> {
+        let _inside = self.gate.enter();
         let Ok((first, pages)) = self.page_range(addr, len) else {
             return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
         };
@@ -477,6 +485,7 @@ impl Engine {
         new_len: usize,
         may_move: bool,
     ) -> Result<usize, MemError> {
+        let _inside = self.gate.enter();
         let (first, old_pages) = self.page_range(addr, old_len)?;
         let new_pages = new_len.div_ceil(PAGE_SIZE).max(1);
         if (first..first + old_pages).any(|i| {
@@ -632,6 +641,7 @@ impl Engine {
     /// dropped: for system calls that read or write managed memory from the kernel, where a
     /// missing page would fail the call with EFAULT instead of faulting.
     pub fn pin(&self, addr: usize, len: usize) -> Pinned<'_> {
+        let _inside = self.gate.enter();
         let mut pinned = Pinned {
             engine: self,
             first: 0,
@@ -673,10 +683,10 @@ impl Engine {
         pinned
     }
 
-    /// Before `fork`: brings every page back into DRAM and stops tiering, so that the child
-    /// gets an ordinary copy-on-write copy of all memory. (Tiering in both processes after
-    /// fork needs userfaultfd's fork events and is not done yet.)
-    pub fn detach_for_fork(&self) {
+    /// Before `fork`, where both processes cannot stay tiered (`why`): brings every page back
+    /// into DRAM and stops tiering, so that the child gets an ordinary copy-on-write copy of
+    /// all memory (see `fork.rs`).
+    pub fn detach_for_fork(&self, why: &str) {
         if self.detached.swap(true, Ordering::AcqRel) {
             return;
         }
@@ -714,7 +724,7 @@ impl Engine {
         }
         // Plain memory from now on: Linux manages it as any other.
         let _ = sys::unlock(self.arena.addr(), self.arena.len());
-        self.warn("the program forked: its managed memory was brought back into DRAM and is no longer tiered (tiering across fork is not supported yet)".into());
+        self.warn(format!("the program forked: its managed memory was brought back into DRAM and is no longer tiered, because {why}"));
         sys::restore_signals(&mask);
     }
 
@@ -739,13 +749,13 @@ impl Engine {
         self.detached.load(Ordering::Relaxed)
     }
 
-    /// Whether this is a forked child of the process that started the engine. A child has no
-    /// evictor and no userfaultfd registration (the parent detached before the fork), and the
-    /// engine's locks may have been held by parent threads at the fork: in a child, managed
-    /// memory is plain memory and the engine touches no shared state.
+    /// Whether this is a forked child whose engine does not run: the parent detached before
+    /// the fork (or the fork was made without the engine seeing it), so managed memory is
+    /// plain memory here and the engine touches no shared state. (A child whose engine came
+    /// with the fork runs it, and is not this: see `fork.rs`.)
     pub fn in_child(&self) -> bool {
         // SAFETY: getpid has no preconditions.
-        self.pid != unsafe { libc::getpid() } as u32
+        self.pid.load(Ordering::Relaxed) != unsafe { libc::getpid() } as u32
     }
 }
 

@@ -6,7 +6,8 @@
 //!
 //! # Nonces and tags
 //!
-//! Each write of a slot takes the next value of a 64-bit counter; the nonce is that value and
+//! Each write of a slot takes the next value of a 64-bit counter (shared with the children the
+//! process forks, which write to the same file with the same key); the nonce is that value and
 //! the slot number, so no (key, nonce) pair repeats and a page moved to another slot does not
 //! decrypt there. The counter value and the 16-byte tag of every slot are kept beside the
 //! backend in memory (24 bytes per slot of address space, touched only for slots in use). A
@@ -31,7 +32,9 @@ pub struct Encrypted {
     counters: Mapping,
     /// Per slot: its tag, as two words.
     tags: Mapping,
-    next: AtomicU64,
+    /// The counter for nonces, in memory shared with the children the process forks: they
+    /// write to the same file with the same key, so they draw from the same counter.
+    next: Mapping,
     slots: u64,
     /// Where ciphertext is made before it is written: kept, so that a batch costs no mapping
     /// of its own (and no TLB shootdown to unmap it).
@@ -53,7 +56,7 @@ impl Encrypted {
             cipher,
             counters: Mapping::anon(slots as usize * 8)?,
             tags: Mapping::anon(slots as usize * 16)?,
-            next: AtomicU64::new(1),
+            next: Mapping::shared_anon(8)?,
             slots,
             scratch: Mutex::new(Mapping::anon(SCRATCH_PAGES * PAGE_SIZE)?),
         })
@@ -90,7 +93,7 @@ impl Encrypted {
             std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, PAGE_SIZE);
             std::slice::from_raw_parts_mut(dst as *mut u8, PAGE_SIZE)
         };
-        let c = self.next.fetch_add(1, Ordering::Relaxed);
+        let c = self.next.as_slice::<AtomicU64>()[0].fetch_add(1, Ordering::Relaxed) + 1;
         let tag = self
             .cipher
             .encrypt_inout_detached(&Self::nonce(slot, c), &[], buf.into())
@@ -183,6 +186,10 @@ impl Backend for Encrypted {
 
     fn direct(&self) -> bool {
         self.inner.direct()
+    }
+
+    fn forked(&self) {
+        self.inner.forked();
     }
 
     fn describe(&self) -> String {

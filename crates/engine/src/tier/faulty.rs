@@ -106,6 +106,10 @@ impl Backend for Faulty {
         self.inner.direct()
     }
 
+    fn forked(&self) {
+        self.inner.forked();
+    }
+
     fn describe(&self) -> String {
         format!("{} (with injected faults)", self.inner.describe())
     }

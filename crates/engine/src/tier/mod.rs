@@ -16,7 +16,7 @@ pub use encrypted::Encrypted;
 pub use faulty::{Faulty, TierFaults};
 pub use file::{FileTier, TierOpenError};
 pub use pool::{Corrupt, Handle, Pool, PoolStats, Stored, MAX_OBJECT};
-pub use slots::SlotMap;
+pub use slots::{SlotMap, MEMBERS};
 pub use uring::{best, UringTier};
 
 use std::io;
@@ -83,4 +83,9 @@ pub trait Backend: Send + Sync {
 
     /// Human-readable description for the summary.
     fn describe(&self) -> String;
+
+    /// In a forked child, before any I/O: whatever the backend holds that cannot be shared
+    /// with the parent (io_uring rings) is made afresh. The file itself is shared: both
+    /// processes read and write it at the slots they hold.
+    fn forked(&self) {}
 }

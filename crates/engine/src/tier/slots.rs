@@ -1,37 +1,172 @@
-//! Free-slot bookkeeping for tier 1: a bitmap over slots, allocation in runs of consecutive
-//! slots so that a write-back batch becomes one large sequential write. Entry point:
-//! [`SlotMap::alloc_run`]. Not used on the fault path (only the evictor and the program's own
-//! memory calls allocate and free slots).
+//! Free-slot bookkeeping for tier 1: which process holds which slot, allocation in runs of
+//! consecutive slots so that a write-back batch becomes one large sequential write. Entry
+//! point: [`SlotMap::alloc_run`]. Not used on the fault path (only the evictor and the
+//! program's own memory calls allocate and free slots).
+//!
+//! # Holders: one file for a process and the children it forks
+//!
+//! A process that forks shares its tier file with the child: a page evicted before the fork is
+//! in both processes' page tables, at the same slot. So a slot is held by a set of processes
+//! (members of the process tree, at most [`MEMBERS`]), kept as one word per slot with a bit
+//! per member, in memory shared across fork (`MAP_SHARED`). A member claims a free slot by
+//! setting its bit in a zero word (compare-and-swap, so two processes never claim one slot),
+//! gives it up by clearing its bit, and the slot is free again when no bit is left. At a fork
+//! the parent adds the child's bit to every slot it holds ([`SlotMap::share`]); a member that
+//! dies has its bit cleared everywhere ([`SlotMap::forget_member`]). The store's length is
+//! shared too: any member may grow the file, under a lock in the same shared memory.
 //!
 //! The tier's size may change at run time ([`SlotMap::set_limit`], a host daemon's share of its
 //! tier capacity): a lowered limit is kept by allocating only below it, never more slots in use
 //! than it allows, and by cutting the store's free tail ([`SlotMap::shrink_to`]) once the
-//! engine has moved what lay above the limit below it.
+//! engine has moved what lay above the limit below it. The limit counts the slots this process
+//! holds.
 
-/// Which tier-1 slots are in use.
-#[derive(Debug, Default)]
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::sys::Mapping;
+
+/// Processes of one tree that may hold slots at once (a bit each in a slot's word).
+pub const MEMBERS: u32 = 64;
+
+/// What the members of a process tree share about the file: its length, the lock for changing
+/// it, and the holder word of every slot. Lives in `MAP_SHARED` memory, so a forked child sees
+/// the parent's changes and the parent the child's.
+pub struct Shared {
+    head: Mapping,
+    words: Mapping,
+    cap: u64,
+}
+
+impl Shared {
+    fn new(cap: u64) -> std::io::Result<Shared> {
+        Ok(Shared {
+            head: Mapping::shared_anon(4096)?,
+            words: Mapping::shared_anon((cap.max(1) * 8) as usize)?,
+            cap,
+        })
+    }
+
+    fn len(&self) -> &AtomicU64 {
+        &self.head.as_slice::<AtomicU64>()[0]
+    }
+
+    /// A counter any member may draw from (tier encryption's nonces): unique across the tree.
+    pub fn counter(&self) -> &AtomicU64 {
+        &self.head.as_slice::<AtomicU64>()[1]
+    }
+
+    fn lock_word(&self) -> &AtomicU32 {
+        &self.head.as_slice::<AtomicU32>()[4]
+    }
+
+    /// Members alive (1 until the first fork).
+    pub fn members(&self) -> &AtomicU32 {
+        &self.head.as_slice::<AtomicU32>()[5]
+    }
+
+    fn word(&self, s: u64) -> &AtomicU64 {
+        &self.words.as_slice::<AtomicU64>()[s as usize]
+    }
+
+    /// Takes the lock on the store's length (held for a grow or a shrink; a member that dies
+    /// holding it would leave it held, so it is held only around one system call).
+    fn lock(&self) {
+        while self
+            .lock_word()
+            .compare_exchange(0, 1, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            std::thread::yield_now();
+        }
+    }
+
+    fn unlock(&self) {
+        self.lock_word().store(0, Ordering::Release);
+    }
+}
+
+/// Which tier-1 slots are in use, and which of them this process holds.
 pub struct SlotMap {
-    used: Vec<u64>,
-    /// Slots that exist (the backing store has room for them).
-    len: u64,
-    /// Slots in use.
+    shared: Arc<Shared>,
+    /// This process's bit in the holder words.
+    me: u64,
+    /// Slots this process holds.
     in_use: u64,
     /// Where the next search starts: allocation proceeds round the file like a log.
     cursor: u64,
-    /// Slots allowed now: in use at once, and as an index (the tier size).
+    /// Slots allowed now: held at once, and as an index (the tier size).
     limit: u64,
     /// The most `limit` may be raised to.
     cap: u64,
 }
 
+impl std::fmt::Debug for SlotMap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SlotMap")
+            .field("len", &self.len())
+            .field("in_use", &self.in_use)
+            .field("limit", &self.limit)
+            .finish()
+    }
+}
+
 impl SlotMap {
-    /// A map of at most `limit` slots (the limit may later be set anywhere up to `cap`).
-    pub fn new(limit: u64, cap: u64) -> SlotMap {
-        SlotMap {
+    /// A map of at most `limit` slots (the limit may later be set anywhere up to `cap`), held
+    /// by this process alone until it forks. Fails only when its shared memory cannot be
+    /// mapped.
+    pub fn new(limit: u64, cap: u64) -> std::io::Result<SlotMap> {
+        let shared = Shared::new(cap)?;
+        shared.members().store(1, Ordering::Relaxed);
+        Ok(SlotMap {
+            shared: Arc::new(shared),
+            me: 1,
+            in_use: 0,
+            cursor: 0,
             limit: limit.min(cap),
             cap,
-            ..SlotMap::default()
+        })
+    }
+
+    /// What this map shares with the process tree.
+    pub fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
+    /// This process's member number.
+    pub fn member(&self) -> u32 {
+        self.me.trailing_zeros()
+    }
+
+    /// In a forked child: from now on this process is member `m`, holding the slots the parent
+    /// gave it with [`share`](Self::share) (as many as the parent held: `in_use` is unchanged).
+    pub fn become_member(&mut self, m: u32) {
+        self.me = 1 << m;
+    }
+
+    /// Before a fork: member `m` (the child) holds every slot in `slots` too.
+    pub fn share(&self, m: u32, slots: impl Iterator<Item = u64>) {
+        for s in slots {
+            self.shared.word(s).fetch_or(1 << m, Ordering::AcqRel);
         }
+    }
+
+    /// Member `m` is gone (it exited, or a fork that was to make it failed): every slot it held
+    /// is let go, and freed where no other member holds it. Returns how many slots it held.
+    pub fn forget_member(&self, m: u32) -> u64 {
+        let bit = 1u64 << m;
+        let mut held = 0;
+        for s in 0..self.len() {
+            if self.shared.word(s).fetch_and(!bit, Ordering::AcqRel) & bit != 0 {
+                held += 1;
+            }
+        }
+        held
+    }
+
+    /// Whether another member holds slot `s` too.
+    pub fn shared_with_others(&self, s: u64) -> bool {
+        self.shared.word(s).load(Ordering::Acquire) & !self.me != 0
     }
 
     /// Sets how many slots the tier may use from now on (at most the cap given at creation);
@@ -51,7 +186,7 @@ impl SlotMap {
     /// Whether the tier is not within its limit yet: more slots in use than it allows, or a
     /// store longer than it (to be cut once nothing in use lies above it).
     pub fn needs_reclaim(&self) -> bool {
-        self.in_use > self.limit || self.len > self.limit
+        self.in_use > self.limit || self.len() > self.limit
     }
 
     /// Whether a slot can be allocated without growing the store.
@@ -59,66 +194,55 @@ impl SlotMap {
         if self.in_use >= self.limit {
             return false;
         }
-        if self.len <= self.limit {
-            // Every slot in use lies below len.
-            return self.in_use < self.len;
+        let len = self.len();
+        if len < self.limit {
+            // The store can grow.
+            return true;
         }
-        // Lowered: slots in use above the limit do not count; look below it.
-        self.free_below(self.limit)
+        self.free_below(self.limit.min(len))
     }
 
     fn free_below(&self, end: u64) -> bool {
-        (0..end.div_ceil(64)).any(|w| {
-            let bits = (end - w * 64).min(64);
-            let mask = if bits == 64 {
-                u64::MAX
-            } else {
-                (1 << bits) - 1
-            };
-            self.used[w as usize] & mask != mask
-        })
+        (0..end).any(|s| !self.is_used(s))
     }
 
     /// The store size to cut the store to when it is longer than the limit: just above the
     /// highest slot in use, not below the limit. `None` when there is nothing to cut. The
     /// caller shrinks the store, then calls [`shrunk`](Self::shrunk).
+    /// While other members share the file, it is not cut (they may be growing it or
+    /// claiming slots meanwhile).
     pub fn shrink_to(&self) -> Option<u64> {
-        if self.len <= self.limit {
+        let len = self.len();
+        if len <= self.limit || self.shared.members().load(Ordering::Acquire) > 1 {
             return None;
         }
-        let top = (0..self.len.div_ceil(64))
+        let top = (0..len)
             .rev()
-            .find(|&w| self.used[w as usize] != 0)
-            .map_or(0, |w| {
-                w * 64 + 64 - self.used[w as usize].leading_zeros() as u64
-            });
+            .find(|&s| self.is_used(s))
+            .map_or(0, |s| s + 1);
         let to = top.max(self.limit);
-        (to < self.len).then_some(to)
+        (to < len).then_some(to)
     }
 
     /// The store now holds `len` slots (after [`shrink_to`](Self::shrink_to)).
     pub fn shrunk(&mut self, len: u64) {
         debug_assert!(len >= self.shrink_to().unwrap_or(len));
-        self.len = len;
-        self.used.truncate(len.div_ceil(64) as usize);
-        if let Some(w) = self.used.last_mut() {
-            if !len.is_multiple_of(64) {
-                *w &= (1 << (len % 64)) - 1;
-            }
-        }
+        self.shared.len().store(len, Ordering::Release);
         self.cursor = self.cursor.min(len);
     }
 
+    /// Slots this process holds.
     pub fn in_use(&self) -> u64 {
         self.in_use
     }
 
+    /// Slots the store has (shared by the process tree).
     pub fn len(&self) -> u64 {
-        self.len
+        self.shared.len().load(Ordering::Acquire)
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.len() == 0
     }
 
     pub fn limit(&self) -> u64 {
@@ -126,33 +250,23 @@ impl SlotMap {
     }
 
     fn is_used(&self, s: u64) -> bool {
-        self.used
-            .get((s / 64) as usize)
-            .is_some_and(|w| w & (1 << (s % 64)) != 0)
+        s < self.shared.cap && self.shared.word(s).load(Ordering::Acquire) != 0
     }
 
-    fn set(&mut self, s: u64, on: bool) {
-        let w = (s / 64) as usize;
-        if w >= self.used.len() {
-            self.used.resize(w + 1, 0);
-        }
-        if on {
-            self.used[w] |= 1 << (s % 64);
-        } else {
-            self.used[w] &= !(1 << (s % 64));
-        }
+    /// Claims free slot `s` for this process; false when a member holds it.
+    fn claim(&self, s: u64) -> bool {
+        self.shared
+            .word(s)
+            .compare_exchange(0, self.me, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
     }
 
     /// Takes a free slot below the limit for a copy that moves down from above it (which gives
     /// its old slot back, so no more slots are in use than before: the limit on slots in use
     /// does not apply). `None` when every slot below the limit is in use.
     pub fn take_below_limit(&mut self) -> Option<u64> {
-        let end = self.len.min(self.limit);
-        let s = (0..end).find(|&s| {
-            let w = self.used[(s / 64) as usize];
-            w != u64::MAX && !self.is_used(s)
-        })?;
-        self.set(s, true);
+        let end = self.len().min(self.limit);
+        let s = (0..end).find(|&s| !self.is_used(s) && self.claim(s))?;
         self.in_use += 1;
         Some(s)
     }
@@ -171,8 +285,9 @@ impl SlotMap {
         if want == 0 {
             return None;
         }
-        let end = self.len.min(self.limit);
-        if self.in_use < self.len {
+        loop {
+            let len = self.len();
+            let end = len.min(self.limit);
             // A free slot may exist below the end: find it from the cursor, wrapping once.
             for pass in 0..2 {
                 let (from, to) = if pass == 0 {
@@ -182,15 +297,9 @@ impl SlotMap {
                 };
                 let mut s = from;
                 while s < to {
-                    let w = self.used[(s / 64) as usize];
-                    if w == u64::MAX && s % 64 == 0 {
-                        s += 64;
-                        continue;
-                    }
-                    if !self.is_used(s) {
-                        let mut n = 0;
-                        while n < want && s + n < end && !self.is_used(s + n) {
-                            self.set(s + n, true);
+                    if !self.is_used(s) && self.claim(s) {
+                        let mut n = 1;
+                        while n < want && s + n < end && !self.is_used(s + n) && self.claim(s + n) {
                             n += 1;
                         }
                         self.in_use += n;
@@ -200,36 +309,43 @@ impl SlotMap {
                     s += 1;
                 }
             }
-        }
-        // Extend the store (never past the limit).
-        let n = want.min(self.limit.saturating_sub(self.len));
-        if n == 0 {
-            return None;
-        }
-        let chunk = (self.len / 8).clamp(1024, 65536).max(n);
-        let mut new_len = (self.len + chunk).min(self.limit);
-        if !grow(new_len) {
-            new_len = self.len + n;
-            if !grow(new_len) {
+            // Extend the store (never past the limit), unless another member just did.
+            let n = want.min(self.limit.saturating_sub(len));
+            if n == 0 {
                 return None;
             }
+            self.shared.lock();
+            if self.len() != len {
+                self.shared.unlock();
+                continue;
+            }
+            let chunk = (len / 8).clamp(1024, 65536).max(n);
+            let mut new_len = (len + chunk).min(self.limit).min(self.shared.cap);
+            if new_len < len + n {
+                self.shared.unlock();
+                return None;
+            }
+            if !grow(new_len) {
+                new_len = len + n;
+                if !grow(new_len) {
+                    self.shared.unlock();
+                    return None;
+                }
+            }
+            self.shared.len().store(new_len, Ordering::Release);
+            self.shared.unlock();
+            // The new slots are free (no member can hold a slot beyond the old length) but
+            // another member may claim some of them first: the search above takes what is left.
+            self.cursor = len;
         }
-        let first = self.len;
-        self.len = new_len;
-        self.used.resize(new_len.div_ceil(64) as usize, 0);
-        for s in first..first + n {
-            self.set(s, true);
-        }
-        self.in_use += n;
-        self.cursor = first + n;
-        Some((first, n))
     }
 
     /// Returns a slot to the free pool.
+    /// This process lets slot `s` go; it is free once no other member holds it.
     pub fn free(&mut self, s: u64) {
-        debug_assert!(self.is_used(s), "double free of tier slot {s}");
-        if self.is_used(s) {
-            self.set(s, false);
+        let was = self.shared.word(s).fetch_and(!self.me, Ordering::AcqRel);
+        debug_assert!(was & self.me != 0, "double free of tier slot {s}");
+        if was & self.me != 0 {
             self.in_use -= 1;
         }
     }
@@ -241,7 +357,7 @@ mod tests {
 
     #[test]
     fn runs_are_consecutive_and_reused_after_free() {
-        let mut m = SlotMap::new(10_000, 10_000);
+        let mut m = SlotMap::new(10_000, 10_000).unwrap();
         let (a, n) = m.alloc_run(100, |_| true).unwrap();
         assert_eq!((a, n), (0, 100));
         let (b, n2) = m.alloc_run(50, |_| true).unwrap();
@@ -257,7 +373,7 @@ mod tests {
 
     #[test]
     fn full_tier_refuses() {
-        let mut m = SlotMap::new(8, 8);
+        let mut m = SlotMap::new(8, 8).unwrap();
         assert_eq!(m.alloc_run(8, |_| true), Some((0, 8)));
         assert_eq!(m.alloc_run(1, |_| true), None);
         m.free(3);
@@ -266,7 +382,7 @@ mod tests {
 
     #[test]
     fn failed_growth_allocates_nothing() {
-        let mut m = SlotMap::new(100, 100);
+        let mut m = SlotMap::new(100, 100).unwrap();
         assert_eq!(m.alloc_run(4, |_| false), None);
         assert_eq!(m.in_use(), 0);
         assert_eq!(m.len(), 0);
@@ -274,7 +390,7 @@ mod tests {
 
     #[test]
     fn a_lowered_limit_allocates_below_it_and_cuts_the_free_tail() {
-        let mut m = SlotMap::new(100, 1000);
+        let mut m = SlotMap::new(100, 1000).unwrap();
         assert_eq!(m.alloc_run(100, |_| true), Some((0, 100)));
         assert_eq!(m.alloc_run(1, |_| true), None, "at the limit");
         assert_eq!(m.set_limit(2000), 1000, "not above the cap");

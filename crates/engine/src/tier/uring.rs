@@ -307,6 +307,28 @@ impl Backend for UringTier {
         self.file.direct()
     }
 
+    fn forked(&self) {
+        // The rings are the parent's (their memory is shared with it): this process gets its
+        // own, or reads and writes with plain calls where it cannot.
+        let mut w = self.write_ring.lock().unwrap_or_else(|e| e.into_inner());
+        match IoUring::new(64).and_then(fds::lift_ring) {
+            Ok(r) => *w = r,
+            Err(_) => self.write_ring_broken.store(true, Ordering::Release),
+        }
+        for r in &self.read_rings {
+            if r.busy.load(Ordering::Acquire) {
+                // Retired in the parent: stays so.
+                continue;
+            }
+            match IoUring::new(8).and_then(fds::lift_ring) {
+                // SAFETY: the child's only thread runs this, before any read: no other
+                // user of the ring exists.
+                Ok(fresh) => unsafe { *r.ring.get() = fresh },
+                Err(_) => r.busy.store(true, Ordering::Release),
+            }
+        }
+    }
+
     fn describe(&self) -> String {
         format!("{} via io_uring", self.file.describe())
     }
