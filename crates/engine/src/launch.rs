@@ -228,6 +228,10 @@ impl Settings {
     }
 }
 
+/// In the statistics directory: the file the engines of one run share its quota through
+/// (`engine/group.rs`).
+pub const GROUP_FILE: &str = "memtide-group.shm";
+
 /// The file in the statistics directory through which the launcher changes the program's
 /// DRAM quota at run time: a number of bytes, replaced whole (write, then rename).
 pub const QUOTA_FILE: &str = "quota";

@@ -48,6 +48,14 @@ impl LatencyHistogram {
         (1u64 << exp) + (sub << (exp - 3))
     }
 
+    fn clear(&self) {
+        for b in &self.buckets {
+            b.store(0, Relaxed);
+        }
+        self.count.store(0, Relaxed);
+        self.sum_ns.store(0, Relaxed);
+    }
+
     pub fn record(&self, ns: u64) {
         self.buckets[Self::index(ns).min(Self::BUCKETS - 1)].fetch_add(1, Relaxed);
         self.count.fetch_add(1, Relaxed);
@@ -205,6 +213,59 @@ pub struct Counters {
 }
 
 impl Counters {
+    /// In a forked child: what happened in the parent before the fork is the parent's to
+    /// count, so every count of events starts again at zero (what the child holds — managed
+    /// pages, peaks — stays: it holds it too).
+    pub fn forked(&self) {
+        for c in [
+            &self.faults_zero,
+            &self.faults_tier,
+            &self.faults_compressed,
+            &self.compressed_stores,
+            &self.compressed_same,
+            &self.compressed_rejected,
+            &self.compressed_spills,
+            &self.compressed_drops,
+            &self.faults_inactive,
+            &self.faults_wait,
+            &self.moves_underreported,
+            &self.readahead_pages,
+            &self.readahead_pairs,
+            &self.faults_tier_slot_follows,
+            &self.faults_tier_slot_follows_only,
+            &self.promotions,
+            &self.demotions,
+            &self.demotions_clean,
+            &self.demotions_zero,
+            &self.tier_copies_dropped,
+            &self.tier_copies_moved,
+            &self.deactivations,
+            &self.reactivations,
+            &self.tier_read_bytes,
+            &self.tier_write_bytes,
+            &self.tier_write_ops,
+            &self.tier_errors,
+            &self.tier_read_mismatches,
+            &self.quota_waits,
+            &self.quota_wait_ns,
+            &self.quota_overruns,
+            &self.forks,
+            &self.epochs,
+            &self.scan_cpu_ns,
+            &self.evict_cpu_ns,
+            &self.discarded_pages,
+        ] {
+            c.store(0, Relaxed);
+        }
+        for h in [
+            &self.tier_read_latency,
+            &self.fault_tier_latency,
+            &self.fault_compressed_latency,
+        ] {
+            h.clear();
+        }
+    }
+
     pub fn bump(c: &AtomicU64) {
         c.fetch_add(1, Relaxed);
     }

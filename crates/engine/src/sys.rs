@@ -293,6 +293,32 @@ impl Mapping {
         Ok(Mapping { addr, len })
     }
 
+    /// Maps the first `len` bytes of file `fd` (grown to that length if shorter), shared: what
+    /// any process mapping the file writes, the others see.
+    pub fn shared_file(fd: i32, len: usize) -> io::Result<Mapping> {
+        let len = round_up(len.max(1), PAGE_SIZE);
+        // SAFETY: all-zero bytes are a valid stat struct.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fstat fills a stat struct of ours.
+        check(unsafe { libc::fstat(fd, &mut st) } as libc::c_long)?;
+        if (st.st_size as usize) < len {
+            // SAFETY: growing a file of ours.
+            check(unsafe { libc::ftruncate(fd, len as libc::off_t) } as libc::c_long)?;
+        }
+        // SAFETY: a fresh mapping at a kernel-chosen address cannot clobber anything.
+        let addr = unsafe {
+            mmap(
+                0,
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )?
+        };
+        Ok(Mapping { addr, len })
+    }
+
     pub fn addr(&self) -> usize {
         self.addr
     }

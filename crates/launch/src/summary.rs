@@ -41,12 +41,14 @@ impl Collected {
         }
     }
 
-    /// The process that managed the most memory (the program itself, usually).
+    /// The process that managed the most memory of those that started an engine of their own
+    /// (the program itself, usually; a forked child shares its parent's books up to the fork,
+    /// so it is never preferred to it).
     pub fn main(&self) -> Option<(&Snapshot, &Snapshot)> {
         let pid = self
             .at_peak
             .values()
-            .max_by_key(|s| s.peak_managed_bytes)?
+            .max_by_key(|s| (s.forked_from == 0, s.peak_managed_bytes))?
             .pid;
         Some((self.latest.get(&pid)?, self.at_peak.get(&pid)?))
     }
@@ -229,12 +231,51 @@ pub fn print(program: &str, status: &str, c: &Collected) {
         eprintln!("  warning  {w}");
     }
     if c.latest.len() > 1 {
+        print_processes(c, s.pid);
+    }
+}
+
+/// Most processes listed one by one (the rest are counted in the totals).
+const LISTED: usize = 8;
+
+/// One line per process that ran with memtide, and their totals: processes forked with their
+/// engine share the program's quota (the figures above are the main process's).
+fn print_processes(c: &Collected, main: u32) {
+    let forked = c.latest.values().filter(|s| s.forked_from != 0).count();
+    eprintln!(
+        "  processes {} ran with memtide{}; figures above are for pid {main}",
+        c.latest.len(),
+        if forked > 0 {
+            format!(" ({forked} forked with their engine, within the one quota)")
+        } else {
+            String::new()
+        }
+    );
+    for (pid, s) in c.latest.iter().take(LISTED) {
+        let peak = c.at_peak.get(pid).unwrap_or(s);
         eprintln!(
-            "  ({} processes ran with memtide; figures above are for pid {})",
-            c.latest.len(),
-            s.pid
+            "           pid {pid}{}: DRAM peak {}, {} faults from the pool and tier 1, {} read and {} written to tier 1",
+            if s.forked_from != 0 {
+                format!(" (forked from {})", s.forked_from)
+            } else {
+                String::new()
+            },
+            bytes(peak.peak_dram_bytes.max(s.peak_dram_bytes)),
+            s.faults_tier,
+            bytes(s.tier_read_bytes),
+            bytes(s.tier_write_bytes)
         );
     }
+    if c.latest.len() > LISTED {
+        eprintln!("           and {} more", c.latest.len() - LISTED);
+    }
+    let sum = |f: fn(&Snapshot) -> u64| c.latest.values().map(f).sum::<u64>();
+    eprintln!(
+        "           total: {} faults from the pool and tier 1, {} read and {} written to tier 1",
+        sum(|s| s.faults_tier),
+        bytes(sum(|s| s.tier_read_bytes)),
+        bytes(sum(|s| s.tier_write_bytes))
+    );
 }
 
 /// Why memtide cannot manage a program's memory, when its executable says so: a statically

@@ -41,6 +41,7 @@ impl Engine {
                 continue;
             }
             self.parked.store(false, Ordering::Release);
+            self.share_quota();
             let cpu0 = sys::thread_cpu_ns();
             let now = sys::now_ns();
             let new_epoch = clock.tick(now);

@@ -29,11 +29,9 @@
 //!
 //! # Members, and a member that dies
 //!
-//! Each process of the tree is a member (a number below [`MEMBERS`]) with a robust,
-//! process-shared mutex that its evictor thread holds for as long as the process lives. When
-//! the process exits, is killed or calls `exec`, the kernel marks the mutex's owner dead; the
-//! next member to look (each evictor looks every epoch) takes it, lets go of every slot the dead
-//! member held and frees its number.
+//! Each process is a member of its run's group (`group.rs`), by a number that is also its bit
+//! in the slots' holder words. A member that exits, is killed or calls `exec` is found dead by
+//! the others, and one of its family lets go of every slot it held.
 //!
 //! # Quiet at the fork
 //!
@@ -47,15 +45,13 @@
 //! member number taken), the fallback stays: the parent brings its pages back into DRAM and
 //! stops tiering ([`Engine::detach_for_fork`]), and says why.
 
-use std::cell::{Cell, UnsafeCell};
-use std::io;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicUsize, Ordering};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
 
 use super::fatal::fatal;
 use super::Engine;
 use crate::pages::State;
-use crate::sys::{self, Mapping};
-use crate::tier::MEMBERS;
+use crate::sys;
 
 thread_local! {
     /// How deep this thread is inside the engine (a nested entry never waits at the gate).
@@ -125,129 +121,6 @@ impl Gate {
     }
 }
 
-/// Processes of one tree that hold slots of its file at once (see `tier::slots`).
-const FREE: u32 = 0;
-/// A parent took the number for a child it is forking.
-const RESERVED: u32 = 1;
-/// The member's evictor holds its mutex.
-const LIVE: u32 = 2;
-
-#[repr(C)]
-struct Member {
-    state: AtomicU32,
-    pid: AtomicU32,
-    lock: UnsafeCell<libc::pthread_mutex_t>,
-}
-
-/// The members of the process tree, in memory shared across fork.
-pub(super) struct Tree {
-    map: Mapping,
-}
-
-// SAFETY: the mutexes are process-shared pthread mutexes, made for concurrent use.
-unsafe impl Sync for Tree {}
-// SAFETY: as above; the mapping is plain memory.
-unsafe impl Send for Tree {}
-
-impl Tree {
-    /// The tree of a process that started the engine: it is member 0.
-    pub(super) fn new() -> io::Result<Tree> {
-        let t = Tree {
-            map: Mapping::shared_anon(MEMBERS as usize * std::mem::size_of::<Member>())?,
-        };
-        // SAFETY: initializing each mutex, in memory of ours, as robust and process-shared.
-        unsafe {
-            let mut attr: libc::pthread_mutexattr_t = std::mem::zeroed();
-            libc::pthread_mutexattr_init(&mut attr);
-            libc::pthread_mutexattr_setpshared(&mut attr, libc::PTHREAD_PROCESS_SHARED);
-            libc::pthread_mutexattr_setrobust(&mut attr, libc::PTHREAD_MUTEX_ROBUST);
-            for m in 0..MEMBERS {
-                let r = libc::pthread_mutex_init(t.member(m).lock.get(), &attr);
-                if r != 0 {
-                    return Err(io::Error::from_raw_os_error(r));
-                }
-            }
-            libc::pthread_mutexattr_destroy(&mut attr);
-        }
-        t.member(0).state.store(RESERVED, Ordering::Release);
-        t.member(0).pid.store(std::process::id(), Ordering::Release);
-        Ok(t)
-    }
-
-    fn member(&self, m: u32) -> &Member {
-        // SAFETY: the mapping holds MEMBERS members, zero-initialized then initialized in new.
-        unsafe { &*(self.map.addr() as *const Member).add(m as usize) }
-    }
-
-    /// Takes a free number for a child about to be forked.
-    fn reserve(&self, pid: u32) -> Option<u32> {
-        (0..MEMBERS).find(|&m| {
-            let ok = self
-                .member(m)
-                .state
-                .compare_exchange(FREE, RESERVED, Ordering::AcqRel, Ordering::Relaxed)
-                .is_ok();
-            if ok {
-                self.member(m).pid.store(pid, Ordering::Release);
-            }
-            ok
-        })
-    }
-
-    /// The calling thread (the member's evictor, which lives as long as the process) holds
-    /// member `m`'s mutex from now on: the member is live.
-    pub(super) fn hold(&self, m: u32) {
-        let mb = self.member(m);
-        // SAFETY: a robust process-shared mutex initialized in `new`.
-        let r = unsafe { libc::pthread_mutex_lock(mb.lock.get()) };
-        if r == libc::EOWNERDEAD {
-            // The number's previous holder died and was not reaped yet; its slots were let go
-            // when the number was given out again (see `reap`), so the mutex is just taken over.
-            // SAFETY: we own the mutex now.
-            unsafe { libc::pthread_mutex_consistent(mb.lock.get()) };
-        }
-        mb.pid.store(std::process::id(), Ordering::Release);
-        mb.state.store(LIVE, Ordering::Release);
-    }
-
-    /// Live members whose process is gone: their numbers, each taken (its mutex held by the
-    /// caller until [`release`](Self::release)).
-    fn dead(&self, me: u32, out: &mut Vec<u32>) {
-        for m in 0..MEMBERS {
-            if m == me || self.member(m).state.load(Ordering::Acquire) != LIVE {
-                continue;
-            }
-            // SAFETY: a robust process-shared mutex initialized in `new`.
-            let r = unsafe { libc::pthread_mutex_trylock(self.member(m).lock.get()) };
-            match r {
-                libc::EOWNERDEAD => out.push(m),
-                0 => {
-                    // Live but not held: its evictor is between taking the number and
-                    // holding it. Leave it.
-                    // SAFETY: we hold it.
-                    unsafe { libc::pthread_mutex_unlock(self.member(m).lock.get()) };
-                }
-                _ => {}
-            }
-        }
-    }
-
-    /// Frees number `m` after its slots were let go; `held` says whether the caller holds its
-    /// mutex (taken from a dead owner).
-    fn release(&self, m: u32, held: bool) {
-        let mb = self.member(m);
-        if held {
-            // SAFETY: we hold the mutex, taken with EOWNERDEAD.
-            unsafe {
-                libc::pthread_mutex_consistent(mb.lock.get());
-                libc::pthread_mutex_unlock(mb.lock.get());
-            }
-        }
-        mb.pid.store(0, Ordering::Release);
-        mb.state.store(FREE, Ordering::Release);
-    }
-}
-
 /// What [`Engine::fork_prepare`] decided, for the handlers after the fork.
 pub enum ForkPlan {
     /// The engine is not tiering (or the fork was not seen in time): nothing to do.
@@ -313,14 +186,15 @@ impl Engine {
             }
             return ForkPlan::Nothing;
         }
-        let Some(member) = self.tree.reserve(0) else {
-            self.detach_for_fork("every one of memtide's member numbers for a process tree is taken (64 processes at once)");
+        let family = self.file.slots().shared().family();
+        let Some(member) = self.group.reserve(family, 0) else {
+            self.detach_for_fork("every one of memtide's member numbers for a run is taken (64 processes with an engine at once)");
             return ForkPlan::Detached;
         };
         let (parent_end, child_end) = match sys::socket_pair() {
             Ok(p) => p,
             Err(e) => {
-                self.tree.release(member, false);
+                self.group.unreserve(member);
                 self.detach_for_fork(&format!("a socket for the child could not be made ({e})"));
                 return ForkPlan::Detached;
             }
@@ -368,7 +242,7 @@ impl Engine {
             slots.forget_member(member);
             slots.shared().members().fetch_sub(1, Ordering::AcqRel);
             drop(slots);
-            self.tree.release(member, false);
+            self.group.unreserve(member);
         } else {
             crate::stats::Counters::bump(&self.counters.forks);
         }
@@ -402,6 +276,7 @@ impl Engine {
             fatal("opening this forked process's pagemap failed", &e);
         }
         self.file.backend.forked();
+        self.counters.forked();
         self.file.slots().become_member(member);
         // Pins were held by the parent's threads, which are not here; so were any waits.
         let hw = self.high_water.load(Ordering::Acquire);
@@ -435,7 +310,7 @@ impl Engine {
             fatal("starting this forked process's engine threads failed", &e);
         }
         // The evictor holds the member's mutex before the parent hears from us.
-        while self.tree.member(member).state.load(Ordering::Acquire) != LIVE {
+        while !self.group.is_live(member) {
             std::thread::yield_now();
         }
         let _ = sys::send_byte(child_end, 1);
@@ -446,23 +321,42 @@ impl Engine {
 
     /// Lets go of the slots of members whose process is gone (the evictor, every epoch).
     pub(super) fn reap_members(&self) {
-        if self.file.slots().shared().members().load(Ordering::Acquire) <= 1 {
-            return;
-        }
-        let mut dead = Vec::new();
-        self.tree
-            .dead(self.member.load(Ordering::Acquire), &mut dead);
-        for m in dead {
-            let slots = self.file.slots();
-            slots.forget_member(m);
-            slots.shared().members().fetch_sub(1, Ordering::AcqRel);
-            drop(slots);
-            self.tree.release(m, true);
+        let family = self.file.slots().shared().family();
+        self.group
+            .reap(self.member.load(Ordering::Acquire), family, |m| {
+                let slots = self.file.slots();
+                slots.forget_member(m);
+                slots.shared().members().fetch_sub(1, Ordering::AcqRel);
+            });
+    }
+
+    /// The run's quota, split (the evictor, every round): this member publishes the DRAM it
+    /// holds, and its own quota is what the run's leaves after the others' holdings, at least
+    /// half an even share. The others converge the same way, so the run holds within its
+    /// quota as one process would; a page shared copy-on-write is counted by each process
+    /// holding it, so the run errs towards less DRAM, never more. Alone, a process has the
+    /// whole quota.
+    pub(super) fn share_quota(&self) {
+        let me = self.member.load(Ordering::Acquire);
+        self.group.set_held(me, self.quota.held());
+        let budget = self.group.budget();
+        let members = self.group.live();
+        let q = if members == 1 {
+            budget
+        } else {
+            budget
+                .saturating_sub(self.group.held_by_others(me))
+                .max(budget / (2 * members))
+        };
+        let now = self.quota.wm().quota;
+        // Small changes wait: each costs the pool a resize and the waiters a wake-up.
+        if q != now && (members == 1 || q.abs_diff(now) > budget / 64) {
+            self.apply_quota(q);
         }
     }
 
     /// The evictor's first step: this process is a live member from now on.
     pub(super) fn hold_member(&self) {
-        self.tree.hold(self.member.load(Ordering::Acquire));
+        self.group.hold(self.member.load(Ordering::Acquire));
     }
 }

@@ -47,6 +47,7 @@ mod evict;
 mod fatal;
 mod fault;
 mod fork;
+mod group;
 mod handlers;
 mod place;
 mod policy;
@@ -124,6 +125,9 @@ pub struct Config {
     /// For tests: device faults to inject in front of the tier file.
     #[doc(hidden)]
     pub tier_faults: Option<Arc<TierFaults>>,
+    /// The file the engines of one run share their quota through (in the run's statistics
+    /// directory); `None`: this process and the children it forks share it alone.
+    pub group_file: Option<PathBuf>,
 }
 
 impl Config {
@@ -143,6 +147,7 @@ impl Config {
             compressed_max_bytes: None,
             record: None,
             tier_faults: None,
+            group_file: None,
         }
     }
 }
@@ -251,8 +256,8 @@ pub struct Engine {
     forked_from: AtomicU32,
     /// Closed around a fork (see `fork.rs`).
     gate: fork::Gate,
-    /// The members of the process tree that share the tier file.
-    tree: fork::Tree,
+    /// The engines of this run, which share its quota.
+    group: group::Group,
     /// This process's member number in it.
     member: AtomicU32,
     /// Where a handler thread sends a fork's userfaultfd.
@@ -334,13 +339,44 @@ impl Engine {
             .map(|p| Recorder::create(p, start_ns))
             .transpose()
             .map_err(io_err("create the --record file"))?;
+        let mut slots =
+            SlotMap::new(tier_limit, tier_cap).map_err(io_err("map the tier's slot map"))?;
+        // The run's group: every engine of the run shares its quota (see group.rs).
+        let mut group_note = None;
+        let family = slots.shared().family();
+        let pid = std::process::id();
+        let joined = cfg
+            .group_file
+            .as_deref()
+            .map(|f| group::Group::open(Some(f), quota_pages))
+            .transpose()
+            .unwrap_or_else(|e| {
+                group_note = Some(format!(
+                    "cannot share the run's quota with its other processes ({e}); this process keeps a quota of its own"
+                ));
+                None
+            })
+            .and_then(|g| g.reserve(family, pid).map(|m| (g, m)));
+        let (group, member) = match joined {
+            Some(j) => j,
+            None => {
+                if cfg.group_file.is_some() && group_note.is_none() {
+                    group_note = Some("64 processes of this run already share its quota; this process keeps a quota of its own".into());
+                }
+                let g =
+                    group::Group::open(None, quota_pages).map_err(io_err("map the run's group"))?;
+                let m = g.reserve(family, pid).unwrap_or(0);
+                (g, m)
+            }
+        };
+        slots.become_member(member);
         let engine = Box::leak(Box::new(Engine {
             ring,
             pt: PageTable::new(arena_pages).map_err(io_err("map the page table"))?,
             compressed,
             file: Store::new(
                 tier,
-                SlotMap::new(tier_limit, tier_cap).map_err(io_err("map the tier's slot map"))?,
+                slots,
                 BouncePool::new().map_err(io_err("map bounce buffers"))?,
             ),
             ranges: Mutex::new(RangeAlloc::new(arena_pages)),
@@ -369,13 +405,16 @@ impl Engine {
             pid: AtomicU32::new(std::process::id()),
             forked_from: AtomicU32::new(0),
             gate: fork::Gate::new(),
-            tree: fork::Tree::new().map_err(io_err("map the process tree's members"))?,
-            member: AtomicU32::new(0),
+            group,
+            member: AtomicU32::new(member),
             fork_link: fork::ForkLink::new(),
             arena,
             uffd,
         }));
         if let Some(note) = tier_note {
+            engine.warn(note);
+        }
+        if let Some(note) = group_note {
             engine.warn(note);
         }
         let swap_on = std::fs::read_to_string("/proc/swaps").is_ok_and(|s| s.lines().count() > 1);
@@ -476,24 +515,33 @@ impl Engine {
         }
     }
 
-    /// The DRAM quota in bytes.
+    /// The DRAM quota in bytes: the program's, which covers every process it forks (one
+    /// process's own share of it is [`Snapshot::quota_bytes`]).
     pub fn quota_bytes(&self) -> u64 {
-        self.quota.wm().quota * PAGE_SIZE as u64
+        self.group.budget() * PAGE_SIZE as u64
     }
 
-    /// Sets a new DRAM quota at run time (a host daemon's share). Returns the quota now in
-    /// force (rounded down to pages, at least 64 KiB). A larger quota lets faulting threads
-    /// through at once; a smaller one wakes the evictor, which demotes the coldest pages until
-    /// the managed memory fits again.
+    /// Sets a new DRAM quota at run time (a host daemon's share), for this process and every
+    /// process it forked (or was forked with). Returns the quota now in force (rounded down
+    /// to pages, at least 64 KiB). A larger quota lets faulting threads through at once; a
+    /// smaller one wakes the evictor, which demotes the coldest pages until the managed memory
+    /// fits again.
     pub fn set_quota_bytes(&self, bytes: u64) -> u64 {
         let _inside = self.gate.enter();
-        let q = self.quota.set(bytes / PAGE_SIZE as u64);
+        let q = Watermarks::for_quota(bytes / PAGE_SIZE as u64).quota;
+        self.group.set_budget(q);
+        self.apply_quota(q);
+        self.bell.ring_always();
+        q * PAGE_SIZE as u64
+    }
+
+    /// This process is held to `pages` from now on.
+    fn apply_quota(&self, pages: u64) {
+        let q = self.quota.set(pages);
         if let Some(c) = &self.compressed {
             c.quota_changed(q);
         }
         self.quota.wake_waiters();
-        self.bell.ring_always();
-        q * PAGE_SIZE as u64
     }
 
     /// The most bytes tier 1 may hold now.

@@ -60,9 +60,15 @@ impl Shared {
         &self.head.as_slice::<AtomicU32>()[4]
     }
 
-    /// Members alive (1 until the first fork).
+    /// Members holding slots of this file (1 until the first fork).
     pub fn members(&self) -> &AtomicU32 {
         &self.head.as_slice::<AtomicU32>()[5]
+    }
+
+    /// The family's id: a random number naming this file's holders (a process and the
+    /// children it forks), drawn when the file was made.
+    pub fn family(&self) -> u64 {
+        self.head.as_slice::<AtomicU64>()[3].load(Ordering::Acquire)
     }
 
     fn word(&self, s: u64) -> &AtomicU64 {
@@ -118,6 +124,9 @@ impl SlotMap {
     pub fn new(limit: u64, cap: u64) -> std::io::Result<SlotMap> {
         let shared = Shared::new(cap)?;
         shared.members().store(1, Ordering::Relaxed);
+        let mut id = [0u8; 8];
+        crate::sys::random_bytes(&mut id)?;
+        shared.head.as_slice::<AtomicU64>()[3].store(u64::from_le_bytes(id) | 1, Ordering::Release);
         Ok(SlotMap {
             shared: Arc::new(shared),
             me: 1,
