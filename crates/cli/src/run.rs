@@ -23,7 +23,8 @@ use memtide_launch::{opts, preflight, summary};
 
 #[derive(Args, Debug)]
 pub struct RunArgs {
-    /// DRAM the program's managed memory may use (e.g. 512MiB, 4GiB); the rest goes to tier 1.
+    /// DRAM the program's managed memory may use (e.g. 512MiB, 4GiB), together with every
+    /// process it forks or starts; the rest goes to tier 1.
     /// Under --host: the DRAM the daemon guarantees it (its minimum; default 64MiB).
     #[arg(long, value_parser = opts::nonzero_size, required_unless_present = "host")]
     pub dram: Option<u64>,
@@ -129,6 +130,15 @@ pub fn describe(status: ExitStatus) -> String {
         (None, Some(sig)) => format!("was killed by signal {sig}"),
         _ => "ended".into(),
     }
+}
+
+/// Whether process `pid` still runs (not ended, not a zombie).
+fn running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state != "Z" && state != "X")
+    })
 }
 
 fn write_stats_file(
@@ -364,7 +374,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
                 let mut report = if pinned {
                     pinned_report(child_pid)
                 } else {
-                    TenantReport::of(c.latest.values())
+                    TenantReport::of(c.latest.values(), running)
                 };
                 report.pid = child_pid;
                 let (quota, share) = match &mut link {

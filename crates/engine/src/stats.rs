@@ -295,6 +295,10 @@ pub struct Snapshot {
     pub peak_dram_bytes: u64,
     pub inactive_bytes: u64,
     pub tier_bytes: u64,
+    /// Tier-1 slots in use by this process and the processes it forked or was forked with
+    /// (they share one file; a slot two of them hold counts once).
+    #[serde(default)]
+    pub tier_family_bytes: u64,
     pub tier_file_bytes: u64,
     /// The most tier 1 may hold now (its size; a host daemon may change it).
     #[serde(default)]

@@ -289,21 +289,36 @@ impl Uffd {
     /// are not asked for and are skipped. Allocates nothing.
     ///
     /// A fork event's descriptor (the child's userfaultfd) goes to `forked`.
+    /// With `nowait`, returns 0 at once when nothing is there (where the kernel can read a
+    /// userfaultfd without waiting: RWF_NOWAIT; otherwise it waits).
     pub fn read_faults(
         &self,
         out: &mut [PageFault],
+        nowait: bool,
         mut forked: impl FnMut(i32),
     ) -> io::Result<usize> {
         let mut msgs = [UffdMsg::default(); 16];
         let want = out.len().min(msgs.len());
-        // SAFETY: reading at most `want` whole messages into our array.
-        let ret = unsafe {
-            libc::read(
+        let iov = libc::iovec {
+            iov_base: msgs.as_mut_ptr() as *mut libc::c_void,
+            iov_len: want * std::mem::size_of::<UffdMsg>(),
+        };
+        // SAFETY: reading at most `want` whole messages into our array (offset -1: a read at
+        // the file's position, as read(2)).
+        let mut ret = unsafe {
+            libc::preadv2(
                 self.fd.as_raw_fd(),
-                msgs.as_mut_ptr() as *mut libc::c_void,
-                want * std::mem::size_of::<UffdMsg>(),
+                &iov,
+                1,
+                -1,
+                if nowait { libc::RWF_NOWAIT } else { 0 },
             )
         };
+        if ret < 0 && nowait && io::Error::last_os_error().raw_os_error() == Some(libc::EOPNOTSUPP)
+        {
+            // SAFETY: as above, waiting.
+            ret = unsafe { libc::preadv2(self.fd.as_raw_fd(), &iov, 1, -1, 0) };
+        }
         if ret < 0 {
             let e = io::Error::last_os_error();
             return match e.raw_os_error() {

@@ -5,7 +5,10 @@
 //! (`madvise(DONTNEED)`), protects ranges read-only and back (`mprotect`), frees and
 //! reallocates blocks (`munmap` + `mmap`), grows and shrinks them (`mremap`, moving or in
 //! place), moves data through the kernel (`write(2)` from managed memory into a pipe, `read(2)`
-//! back into managed memory), and finally forks. Meanwhile a thread clears the accessed bits
+//! back into managed memory), and forks: about every second one thread forks while the others
+//! go on, and the child, running its own engine, checks the pages the forking thread held
+//! (faulting them in from the levels below DRAM it shares with the parent), overwrites and
+//! checks them again, while the parent keeps evicting and rewriting. Meanwhile a thread clears the accessed bits
 //! of every page table entry (as DAMON does on these machines). Every page's whole content is
 //! derived from a version kept in a shadow table, so any lost or corrupted write, or a page
 //! that reads back stale or non-zero after a discard, is a mismatch. Half the pages compress
@@ -76,6 +79,10 @@ struct World {
     mismatches: AtomicU64,
     ops: AtomicU64,
     stop: AtomicBool,
+    /// When the next fork is due (ns since the start), and how many children ran.
+    next_fork: AtomicU64,
+    forks: AtomicU64,
+    start: Instant,
 }
 
 impl World {
@@ -129,6 +136,66 @@ impl World {
         self.blocks[b].versions[p].store(version, Ordering::Release);
     }
 
+    /// Whether this thread forks now (one fork about every second, in one thread at a time).
+    fn fork_due(&self) -> bool {
+        let now = self.start.elapsed().as_nanos() as u64;
+        let due = self.next_fork.load(Ordering::Acquire);
+        now >= due
+            && self
+                .next_fork
+                .compare_exchange(
+                    due,
+                    now + 1_000_000_000,
+                    Ordering::AcqRel,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
+    }
+
+    /// Forks while holding a run of pages of block `b`: the child runs its own engine and checks
+    /// them (as they were at the fork: their locks are held), overwrites and checks them; the
+    /// parent lets them go at once and goes on. A wrong page in the child is a mismatch.
+    fn fork_and_check(&self, b: usize, rng: &mut Rng) {
+        let l = self.blocks[b].layout.read().unwrap();
+        let first = rng.below(l.pages);
+        let n = 64.min(l.pages - first);
+        let vs: Vec<u32> = (first..first + n).map(|p| self.lock(b, p)).collect();
+        let plan = self.engine.fork_prepare();
+        assert!(
+            matches!(plan, ForkPlan::Tiered { .. }),
+            "fork events are available here (root, handler threads)"
+        );
+        // SAFETY: the child reads and writes managed memory, runs its engine, and _exits.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            self.engine.fork_child(plan);
+            let mut bad = 0;
+            for (p, &v) in (first..first + n).zip(&vs) {
+                bad += !self.check(&l, p, v, "child: what it inherited") as i32;
+                Self::fill(&l, p, v + 7);
+            }
+            for (p, &v) in (first..first + n).zip(&vs) {
+                bad += !self.check(&l, p, v + 7, "child: its own write") as i32;
+            }
+            // SAFETY: leaving the child without running the parent's destructors.
+            unsafe { libc::_exit(if bad == 0 { 0 } else { 1 }) };
+        }
+        assert!(pid > 0, "fork failed");
+        self.engine.fork_parent(plan);
+        for (p, &v) in (first..first + n).zip(&vs) {
+            self.unlock(b, p, v);
+        }
+        drop(l);
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        if !(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0) {
+            eprintln!("MISMATCH (fork): the child saw wrong data (status {status})");
+            self.mismatches.fetch_add(1, Ordering::Relaxed);
+        }
+        self.forks.fetch_add(1, Ordering::Relaxed);
+    }
+
     fn worker(&self, seed: u64) {
         let mut rng = Rng(seed | 1);
         let mut next_version = 1u32 + (seed as u32 % 1000) * 1_000_000;
@@ -136,7 +203,9 @@ impl World {
             let b = rng.below(BLOCKS);
             let op = rng.below(1000);
             self.ops.fetch_add(1, Ordering::Relaxed);
-            if op < 980 {
+            if self.fork_due() {
+                self.fork_and_check(b, &mut rng);
+            } else if op < 980 {
                 // Skewed page choice: a quarter of the pages get most of the accesses.
                 let l = self.blocks[b].layout.read().unwrap();
                 let p = if rng.below(10) < 8 {
@@ -359,8 +428,9 @@ fn main() {
 
 fn counts(world: &World, snap: &memtide_engine::Snapshot) -> String {
     format!(
-        "ops {} mismatches {} | faults zero {} tier {} (pool {}) inactive {} wait {} | pool: {} stored, {} same, {} rejected, {} written back | demotions {} (clean {}, zero {}) | moves underreported {} | tier errors {}, mismatched reads {} | peak DRAM {} KiB of {} KiB quota",
+        "ops {} forks {} mismatches {} | faults zero {} tier {} (pool {}) inactive {} wait {} | pool: {} stored, {} same, {} rejected, {} written back | demotions {} (clean {}, zero {}) | moves underreported {} | tier errors {}, mismatched reads {} | peak DRAM {} KiB of {} KiB quota",
         world.ops.load(Ordering::Relaxed),
+        world.forks.load(Ordering::Relaxed),
         world.mismatches.load(Ordering::Relaxed),
         snap.faults_zero,
         snap.faults_tier,
@@ -406,6 +476,9 @@ fn stress_eviction_racing_with_access(run_for: Duration, policy: EvictionPolicy)
         mismatches: AtomicU64::new(0),
         ops: AtomicU64::new(0),
         stop: AtomicBool::new(false),
+        next_fork: AtomicU64::new(1_000_000_000),
+        forks: AtomicU64::new(0),
+        start: Instant::now(),
     };
     eprintln!(
         "stress test (not a benchmark): {:.0} s, eviction policy {}, 4 threads, footprint 8x the quota, accessed bits cleared all along",
@@ -455,6 +528,21 @@ fn stress_eviction_racing_with_access(run_for: Duration, policy: EvictionPolicy)
         snap.demotions > 1000,
         "the run must exercise eviction: {snap:?}"
     );
+    assert!(
+        world.forks.load(Ordering::Relaxed) >= run_for.as_secs() / 2,
+        "the run must fork about every second"
+    );
+    // Every child is gone: once the engine has found them dead, the tier's slots in use are
+    // the parent's own (a child's are let go, those it shared stay the parent's).
+    let t0 = Instant::now();
+    while engine.snapshot().tier_family_bytes != engine.snapshot().tier_bytes {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "slots of dead children are left: {:?}",
+            engine.snapshot()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     assert!(
         snap.faults_inactive > 0,
         "the run must exercise hint faults: {snap:?}"

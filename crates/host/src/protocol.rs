@@ -110,17 +110,24 @@ pub struct TenantReport {
 
 impl TenantReport {
     /// The figures of a tenant's processes, summed (latency quantiles: the worst process's).
-    pub fn of<'a>(snaps: impl IntoIterator<Item = &'a Snapshot>) -> TenantReport {
+    /// What a process holds counts while it runs (`alive`); what it did counts for good, so
+    /// that the tenant's counts never go back when one of its processes ends.
+    pub fn of<'a>(
+        snaps: impl IntoIterator<Item = &'a Snapshot>,
+        alive: impl Fn(u32) -> bool,
+    ) -> TenantReport {
         let mut r = TenantReport::default();
         for s in snaps {
-            r.dram_bytes += s.dram_bytes;
-            r.tier_bytes += s.tier_bytes;
-            r.tier_limit_bytes += s.tier_limit_bytes;
-            r.tier_file_bytes += s.tier_file_bytes;
-            r.managed_bytes += s.managed_bytes;
-            r.active_bytes += s.active_bytes;
-            r.compressed_bytes += s.compressed_pages * 4096;
-            r.compressed_pool_bytes += s.compressed_pool_bytes;
+            if alive(s.pid) {
+                r.dram_bytes += s.dram_bytes;
+                r.tier_bytes += s.tier_bytes;
+                r.tier_limit_bytes += s.tier_limit_bytes;
+                r.tier_file_bytes += s.tier_file_bytes;
+                r.managed_bytes += s.managed_bytes;
+                r.active_bytes += s.active_bytes;
+                r.compressed_bytes += s.compressed_pages * 4096;
+                r.compressed_pool_bytes += s.compressed_pool_bytes;
+            }
             r.faults_zero += s.faults_zero;
             r.faults_tier += s.faults_tier;
             r.faults_compressed += s.faults_compressed;

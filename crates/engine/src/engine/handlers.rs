@@ -98,9 +98,11 @@ impl Engine {
                     continue;
                 }
             }
+            // Holding faults, a handler must not sleep in read: another handler may take the
+            // message that woke it, and nothing else would wake it when the gate opens.
             let n = self
                 .uffd
-                .read_faults(&mut faults, |fd| self.forked(fd))
+                .read_faults(&mut faults, n_held > 0, |fd| self.forked(fd))
                 .unwrap_or_else(|e| fatal("reading faults from the userfaultfd failed", &e));
             for f in &faults[..n] {
                 match self.gate.try_enter() {

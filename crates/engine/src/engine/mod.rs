@@ -615,9 +615,9 @@ impl Engine {
         let c = &self.counters;
         let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let page = PAGE_SIZE as u64;
-        let (tier_pages, tier_file_pages, tier_limit_pages) = {
+        let (tier_pages, tier_file_pages, tier_limit_pages, tier_used_pages) = {
             let s = self.file.slots();
-            (s.in_use(), s.len(), s.limit())
+            (s.in_use(), s.len(), s.limit(), s.used_by_family())
         };
         let status = StatusMemory::read();
         let dram_bytes = self.quota.held() * page;
@@ -653,6 +653,7 @@ impl Engine {
             peak_dram_bytes: r(&c.peak_resident_pages) * page,
             inactive_bytes: self.ring.staged.load(Ordering::Relaxed) * page,
             tier_bytes: tier_pages * page,
+            tier_family_bytes: tier_used_pages * page,
             tier_file_bytes: tier_file_pages * page,
             tier_limit_bytes: tier_limit_pages * page,
             managed_bytes: r(&c.managed_pages) * page,

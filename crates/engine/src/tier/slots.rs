@@ -173,9 +173,9 @@ impl SlotMap {
         held
     }
 
-    /// Whether another member holds slot `s` too.
-    pub fn shared_with_others(&self, s: u64) -> bool {
-        self.shared.word(s).load(Ordering::Acquire) & !self.me != 0
+    /// Slots in use by any member (this process and those it forked or was forked with).
+    pub fn used_by_family(&self) -> u64 {
+        (0..self.len()).filter(|&s| self.is_used(s)).count() as u64
     }
 
     /// Sets how many slots the tier may use from now on (at most the cap given at creation);
