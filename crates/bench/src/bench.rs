@@ -98,6 +98,9 @@ pub fn bench(mut args: BenchArgs) -> Result<ExitCode> {
     args.kv.check()?;
     args.micro.check()?;
     let has = |e: &str| args.experiments.iter().any(|x| x == e);
+    if has("memcached") {
+        args.kv.check_server(crate::kv::Server::Memcached)?;
+    }
     if a.footprint > preflight::machine_memory() / 2 {
         bail!("--footprint {} is more than half this machine's memory; the all-DRAM runs need it all in DRAM", bytes(a.footprint));
     }

@@ -39,6 +39,12 @@ pub struct KvArgs {
     /// checked against it.
     #[arg(long, value_enum, default_value = "letters")]
     pub values: Values,
+    /// redis only: measure while redis saves a snapshot (BGSAVE, which forks; the child
+    /// writes the dump while the parent serves). The measured window is the save; the table
+    /// adds its duration and the peak DRAM of the pair (the sum of their Pss_Anon, sampled
+    /// every 50 ms).
+    #[arg(long)]
+    pub bgsave: bool,
 }
 
 impl KvArgs {
@@ -52,6 +58,14 @@ impl KvArgs {
         }
         if !(16..=1 << 20).contains(&self.value_bytes) {
             bail!("--value-bytes: give 16 bytes to 1 MiB");
+        }
+        Ok(())
+    }
+
+    /// Refuses `--bgsave` for a server that has no such thing.
+    pub fn check_server(&self, server: Server) -> Result<()> {
+        if self.bgsave && server != Server::Redis {
+            bail!("--bgsave: only redis saves snapshots; run the redis experiment");
         }
         Ok(())
     }
@@ -107,7 +121,7 @@ impl Server {
         Ok(())
     }
 
-    fn command(self, port: u16, dataset: u64, keys: u64) -> Command {
+    fn command(self, port: u16, dataset: u64, keys: u64, dir: &Path) -> Command {
         let mut c = Command::new(self.program());
         match self {
             Server::Memcached => {
@@ -120,7 +134,9 @@ impl Server {
             }
             Server::Redis => {
                 c.args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-                    .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"]);
+                    .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
+                    .arg("--dir")
+                    .arg(dir);
             }
         }
         c.stdout(Stdio::null()).stderr(Stdio::null());
@@ -367,6 +383,11 @@ struct RunRecord {
     device_faults_per_op: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     failed: Option<String>,
+    /// `--bgsave`: how long the save took, and the pair's peak DRAM (bytes).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    save_seconds: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pair_peak: Option<u64>,
 }
 
 #[derive(Serialize)]
@@ -382,6 +403,10 @@ struct Row {
     p99_us: f64,
     p99_vs_dram: f64,
     device_faults_per_op: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    save_seconds: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pair_peak: Option<u64>,
 }
 
 fn free_port() -> Result<u16> {
@@ -450,7 +475,9 @@ fn one_run(
     let keys = (a.footprint / x.value_bytes as u64).max(1);
     let port = free_port()?;
     let stats = StatsDir::new().context("cannot create a directory for the statistics")?;
-    let mut cmd = server.command(port, a.footprint, keys);
+    // A BGSAVE's dump goes to disk, beside the tier (never to a tmpfs, whose pages are DRAM).
+    let dump_dir = tempfile_dir()?;
+    let mut cmd = server.command(port, a.footprint, keys, &dump_dir.0);
     place.apply(&mut cmd, &stats.0);
     // The server never outlives the bench, however that ends.
     die_with_parent(&mut cmd, libc::SIGKILL);
@@ -501,6 +528,8 @@ fn one_run(
     // Popular keys scattered over the key space (and so over the server's memory).
     let stride = scatter_stride(keys);
     let (mut faults0, mut faults1) = (None, None);
+    let server_pid = child.0.id();
+    let mut save: Option<Result<(f64, u64)>> = None;
     let results: Vec<Result<(Vec<u32>, u64, u64)>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..x.clients as u64)
             .map(|c| {
@@ -538,7 +567,11 @@ fn one_run(
         faults0 = device_faults(place, &stats.0);
         measuring.store(true, Ordering::Relaxed);
         let m0 = Instant::now();
-        std::thread::sleep(Duration::from_secs_f64(a.seconds));
+        if x.bgsave {
+            save = Some(bgsave(port, server_pid));
+        } else {
+            std::thread::sleep(Duration::from_secs_f64(a.seconds));
+        }
         measuring.store(false, Ordering::Relaxed);
         let secs = m0.elapsed().as_secs_f64();
         faults1 = device_faults(place, &stats.0);
@@ -560,6 +593,9 @@ fn one_run(
         rate += o;
         verified += v;
     }
+    let save = save
+        .transpose()
+        .with_context(|| format!("{label}: BGSAVE"))?;
     lat.sort_unstable();
     let measured_ops = lat.len() as f64;
     let device_faults_per_op = match (faults0, faults1) {
@@ -588,7 +624,114 @@ fn one_run(
         device_faults_per_op,
         failed: None,
         cgroup_limit: None,
+        save_seconds: save.map(|s| s.0),
+        pair_peak: save.map(|s| s.1),
     })
+}
+
+/// A directory under /var/tmp, removed on drop.
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn tempfile_dir() -> Result<TempDir> {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let d = PathBuf::from(format!(
+        "/var/tmp/memtide-bench-kv-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&d).with_context(|| format!("cannot create {}", d.display()))?;
+    Ok(TempDir(d))
+}
+
+/// Asks redis on `port` (process `pid`) for a BGSAVE and waits for it to end: how long it
+/// took, and the most DRAM the server and its saving child held at once (the sum of their
+/// Pss_Anon, so that a page they share copy-on-write counts once), sampled every 50 ms.
+fn bgsave(port: u16, pid: u32) -> Result<(f64, u64)> {
+    let c = TcpStream::connect(("127.0.0.1", port))?;
+    c.set_read_timeout(Some(Duration::from_secs(600)))?;
+    let mut w = c.try_clone()?;
+    let mut r = BufReader::new(c);
+    let mut line = String::new();
+    let t0 = Instant::now();
+    w.write_all(b"*1\r\n$6\r\nBGSAVE\r\n")?;
+    r.read_line(&mut line)?;
+    if !line.starts_with("+Background saving started") {
+        bail!("redis answered BGSAVE with {line:?}");
+    }
+    let mut peak = 0;
+    loop {
+        peak = peak.max(tree_pss_anon(pid));
+        w.write_all(b"*2\r\n$4\r\nINFO\r\n$11\r\npersistence\r\n")?;
+        line.clear();
+        r.read_line(&mut line)?;
+        let n: usize = line
+            .trim()
+            .strip_prefix('$')
+            .and_then(|n| n.parse().ok())
+            .with_context(|| format!("INFO answered {line:?}"))?;
+        let mut info = vec![0; n + 2];
+        r.read_exact(&mut info)?;
+        let info = String::from_utf8_lossy(&info);
+        if info.contains("rdb_bgsave_in_progress:0") {
+            if !info.contains("rdb_last_bgsave_status:ok") {
+                bail!("the save failed: {info}");
+            }
+            return Ok((t0.elapsed().as_secs_f64(), peak));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The sum of `Pss_Anon` over process `root` and its descendants, in bytes.
+fn tree_pss_anon(root: u32) -> u64 {
+    let mut parent_of = Vec::new();
+    if let Ok(rd) = std::fs::read_dir("/proc") {
+        for e in rd.flatten() {
+            let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            if let Some(ppid) = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|s| {
+                    s.rsplit_once(')')?
+                        .1
+                        .split_whitespace()
+                        .nth(1)?
+                        .parse::<u32>()
+                        .ok()
+                })
+            {
+                parent_of.push((pid, ppid));
+            }
+        }
+    }
+    let mut tree = vec![root];
+    let mut i = 0;
+    while i < tree.len() {
+        let p = tree[i];
+        tree.extend(
+            parent_of
+                .iter()
+                .filter(|&&(_, pp)| pp == p)
+                .map(|&(c, _)| c),
+        );
+        i += 1;
+    }
+    tree.iter()
+        .filter_map(|p| std::fs::read_to_string(format!("/proc/{p}/smaps_rollup")).ok())
+        .filter_map(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Pss_Anon:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .sum::<u64>()
+        * 1024
 }
 
 /// Runs the experiment for `server` under every configuration; prints the table, writes the
@@ -682,6 +825,9 @@ pub fn run(
         "p99 x",
         "reads/req"
     );
+    if x.bgsave {
+        println!("(measured during a BGSAVE; then: the save's seconds, the pair's peak DRAM)");
+    }
     let mut rows = Vec::new();
     for &skew in &x.skews {
         let dram = med(skew, "all-DRAM", &|r| r.ops_per_sec);
@@ -706,12 +852,19 @@ pub fn run(
                     r.device_faults_per_op.unwrap_or(f64::NAN)
                 }))
                 .filter(|v| v.is_finite()),
+                save_seconds: Some(med(skew, c, &|r| r.save_seconds.unwrap_or(f64::NAN)))
+                    .filter(|v| v.is_finite()),
+                pair_peak: Some(med(skew, c, &|r| {
+                    r.pair_peak.map_or(f64::NAN, |b| b as f64)
+                }))
+                .filter(|v| v.is_finite())
+                .map(|v| v as u64),
             };
             if ops.is_nan() {
                 println!("{:<9} {:>5} {:<cw$} {:>10}", row.server, skew, c, "failed");
             } else {
                 println!(
-                    "{:<9} {:>5} {:<cw$} {:>10.0} {:>7.3}x {:>8} {:>9.0} {:>9.0} {:>7.2}x {:>10}",
+                    "{:<9} {:>5} {:<cw$} {:>10.0} {:>7.3}x {:>8} {:>9.0} {:>9.0} {:>7.2}x {:>10}{}",
                     row.server,
                     skew,
                     c,
@@ -722,7 +875,12 @@ pub fn run(
                     row.p99_us,
                     row.p99_vs_dram,
                     row.device_faults_per_op
-                        .map_or("-".into(), |v| format!("{v:.3}"))
+                        .map_or("-".into(), |v| format!("{v:.3}")),
+                    match (row.save_seconds, row.pair_peak) {
+                        (Some(t), Some(b)) =>
+                            format!(" {t:>6.1} s {:>10}", memtide_engine::size::format(b)),
+                        _ => String::new(),
+                    }
                 );
             }
             rows.push(row);
@@ -761,6 +919,7 @@ pub fn run(
         "value_bytes": x.value_bytes,
         "values": x.values.name(),
         "clients": x.clients,
+        "bgsave": x.bgsave,
         "skews": x.skews,
         "seconds": a.seconds,
         "warmup": a.warmup,

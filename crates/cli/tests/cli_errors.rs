@@ -215,3 +215,12 @@ fn no_userfaultfd_permission_says_how_to_grant_it() {
         "{err}"
     );
 }
+
+/// `--bgsave` asks for redis's snapshots: memcached has none.
+#[test]
+fn bgsave_outside_redis_is_one_line() {
+    fails_with(
+        &["bench", "--experiments", "memcached", "--bgsave"],
+        "--bgsave: only redis saves snapshots",
+    );
+}
