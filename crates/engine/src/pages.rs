@@ -329,14 +329,14 @@ impl PageTable {
         sys::futex_wait(word, with, 1_000_000);
     }
 
-    /// Adds a pin to a `Mapped` page (it may not be evicted while pinned). Fails if the page is
-    /// not mapped or has the most pins a word can count.
     /// In a forked child: page `i` is pinned by no thread (the parent's threads that pinned
     /// it are not in the child).
     pub fn clear_pins(&self, i: usize) {
         self.word(i).fetch_and(!PIN_MASK, Ordering::AcqRel);
     }
 
+    /// Adds a pin to a `Mapped` page (it may not be evicted while pinned). Fails if the page is
+    /// not mapped or has the most pins a word can count.
     pub fn pin(&self, i: usize) -> bool {
         let w = self.load(i);
         if w.state() != State::Mapped || w.pins() == 0xFF {

@@ -671,6 +671,15 @@ pub fn new_session() {
     unsafe { libc::setsid() };
 }
 
+/// Whether the page at `addr` is in this process's page tables (`mincore`: no fault, no
+/// allocation; async-signal-safe).
+pub fn resident(addr: usize) -> bool {
+    let mut v = 0u8;
+    // SAFETY: mincore writes one byte for one page into `v`.
+    let r = unsafe { libc::mincore(addr as *mut libc::c_void, PAGE_SIZE, &mut v) };
+    r == 0 && v & 1 != 0
+}
+
 /// A connected pair of Unix stream sockets, close-on-exec (a forking parent passes its child
 /// the child's userfaultfd on one).
 pub fn socket_pair() -> io::Result<(i32, i32)> {

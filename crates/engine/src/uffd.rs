@@ -341,17 +341,6 @@ impl Uffd {
         Ok(n)
     }
 
-    /// Whether a message waits to be read, waiting at most `ms` milliseconds.
-    pub fn readable(&self, ms: i32) -> bool {
-        let mut p = libc::pollfd {
-            fd: self.fd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: poll on one pollfd of ours.
-        unsafe { libc::poll(&mut p, 1, ms) > 0 }
-    }
-
     /// Wakes the threads waiting on faults in `[start, start+len)` (to retry their access).
     pub fn wake(&self, start: usize, len: usize) -> io::Result<()> {
         let mut range = UffdioRange {
@@ -570,10 +559,15 @@ impl Uffd {
                     // with the same bytes, without touching them; then the move goes on.
                     // Any other reason to refuse (a page pinned for I/O) is refused again.
                     cow_broken = done;
-                    // SAFETY: advice on a page of the caller's range.
-                    if unsafe { crate::sys::madvise(src + done, PAGE, MADV_POPULATE_WRITE) }.is_ok()
-                    {
-                        continue;
+                    // Only a page that is there: populating a missing one would fault on a
+                    // page the caller holds (the kernel's count can be short of what moved).
+                    if crate::sys::resident(src + done) {
+                        // SAFETY: advice on a page of the caller's range, present.
+                        let broke =
+                            unsafe { crate::sys::madvise(src + done, PAGE, MADV_POPULATE_WRITE) };
+                        if broke.is_ok() {
+                            continue;
+                        }
                     }
                 }
                 return Err(self.maybe_underreport(Partial { done, error }));

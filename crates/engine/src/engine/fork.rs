@@ -108,15 +108,20 @@ impl Gate {
         }
     }
 
-    /// Closes the gate and waits until no thread is inside.
+    /// Closes the gate and waits until no thread is inside. The closing thread itself may
+    /// still enter (as if inside): a fork handler of another library, run between this and
+    /// the fork, may allocate or free managed memory.
     fn close(&self) {
         self.closed.store(true, Ordering::SeqCst);
         while self.inside.load(Ordering::SeqCst) != 0 {
             std::thread::yield_now();
         }
+        DEPTH.with(|d| d.set(d.get() + 1));
     }
 
+    /// Opens the gate (in the thread that closed it; in a forked child, its only thread).
     fn open(&self) {
+        DEPTH.with(|d| d.set(d.get().saturating_sub(1)));
         self.closed.store(false, Ordering::SeqCst);
     }
 }
@@ -150,6 +155,13 @@ impl ForkLink {
     }
 }
 
+/// Closes one of memtide's descriptors (lifted high), forgetting it first.
+fn close_ours(fd: i32) {
+    crate::fds::forget(fd);
+    // SAFETY: closing a descriptor of ours.
+    unsafe { libc::close(fd) };
+}
+
 impl Engine {
     /// Called by a handler thread that read a fork event: passes the child's userfaultfd to
     /// the child (or closes it, when the fork was not made through `fork_prepare`: then the
@@ -158,8 +170,12 @@ impl Engine {
         let sock = self.fork_link.sock.load(Ordering::Acquire);
         if sock >= 0 {
             if let Err(e) = sys::send_fd(sock, fd) {
+                // The child, waiting for it, reads the end of the stream and stops; the
+                // parent then hears nothing from it and lets its slots go.
+                // SAFETY: shutting down our own socket.
+                unsafe { libc::shutdown(sock, libc::SHUT_RDWR) };
                 self.warn(format!(
-                    "passing the forked child its userfaultfd failed ({e}); the child will stop"
+                    "passing a forked child its userfaultfd failed ({e}); the child stops"
                 ));
             }
         }
@@ -192,7 +208,8 @@ impl Engine {
             return ForkPlan::Detached;
         };
         let (parent_end, child_end) = match sys::socket_pair() {
-            Ok(p) => p,
+            // High, as memtide's other descriptors, out of the program's way.
+            Ok((a, b)) => (crate::fds::lift_raw(a), crate::fds::lift_raw(b)),
             Err(e) => {
                 self.group.unreserve(member);
                 self.detach_for_fork(&format!("a socket for the child could not be made ({e})"));
@@ -227,22 +244,24 @@ impl Engine {
         else {
             return;
         };
-        // SAFETY: our end for the child; the child has its own copy.
-        unsafe { libc::close(child_end) };
+        close_ours(child_end);
         self.gate.open();
         self.resume_evictor();
         // The child answers once its engine runs; a failed fork (no child) or a child that died
         // first closes the socket without a word.
         let ok = sys::recv_byte(parent_end).is_ok_and(|b| b == Some(1));
         self.fork_link.sock.store(-1, Ordering::Release);
-        // SAFETY: our socket.
-        unsafe { libc::close(parent_end) };
+        close_ours(parent_end);
         if !ok {
-            let slots = self.file.slots();
-            slots.forget_member(member);
-            slots.shared().members().fetch_sub(1, Ordering::AcqRel);
-            drop(slots);
-            self.group.unreserve(member);
+            // No child (the fork failed), or it died before its engine ran. A child that died
+            // after its evictor took its number is the reaper's, as any dead member.
+            if self.group.claim_reserved(member) {
+                let slots = self.file.slots();
+                slots.forget_member(member);
+                slots.shared().members().fetch_sub(1, Ordering::AcqRel);
+                drop(slots);
+                self.group.unreserve(member);
+            }
         } else {
             crate::stats::Counters::bump(&self.counters.forks);
         }
@@ -259,8 +278,7 @@ impl Engine {
         else {
             return;
         };
-        // SAFETY: the parent's end, which is not ours in the child.
-        unsafe { libc::close(parent_end) };
+        close_ours(parent_end);
         let fd = match sys::recv_fd(child_end) {
             Ok(fd) => fd,
             Err(e) => fatal("receiving this forked process's userfaultfd failed", &e),
@@ -314,8 +332,7 @@ impl Engine {
             std::thread::yield_now();
         }
         let _ = sys::send_byte(child_end, 1);
-        // SAFETY: our socket.
-        unsafe { libc::close(child_end) };
+        close_ours(child_end);
         self.gate.open();
     }
 
@@ -331,22 +348,30 @@ impl Engine {
     }
 
     /// The run's quota, split (the evictor, every round): this member publishes the DRAM it
-    /// holds, and its own quota is what the run's leaves after the others' holdings, at least
-    /// half an even share. The others converge the same way, so the run holds within its
-    /// quota as one process would; a page shared copy-on-write is counted by each process
-    /// holding it, so the run errs towards less DRAM, never more. Alone, a process has the
-    /// whole quota.
+    /// holds, and its own quota is what it holds plus an even part of what is free (or, when
+    /// the run is over its quota, what it holds less its part of the excess, in proportion),
+    /// at least half an even share. The shares add up to the run's quota, so the run holds
+    /// within it as one process would (up to a round's change); a page shared copy-on-write is
+    /// counted by each process holding it, so the run errs towards less DRAM. Alone, a process
+    /// has the whole quota.
     pub(super) fn share_quota(&self) {
         let me = self.member.load(Ordering::Acquire);
-        self.group.set_held(me, self.quota.held());
+        let held = self.quota.held();
+        self.group.set_held(me, held);
         let budget = self.group.budget();
         let members = self.group.live();
         let q = if members == 1 {
             budget
         } else {
-            budget
-                .saturating_sub(self.group.held_by_others(me))
-                .max(budget / (2 * members))
+            // What is free is split evenly among the members; what is over is taken from
+            // each in proportion to what it holds. The shares add up to the quota.
+            let total = held + self.group.held_by_others(me);
+            let share = if total <= budget {
+                held + (budget - total) / members
+            } else {
+                (held as u128 * budget as u128 / total as u128) as u64
+            };
+            share.max(budget / (2 * members))
         };
         let now = self.quota.wm().quota;
         // Small changes wait: each costs the pool a resize and the waiters a wake-up.

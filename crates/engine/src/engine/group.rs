@@ -186,6 +186,15 @@ impl Group {
         })
     }
 
+    /// Takes member `m` for letting go of its slots if it is still only reserved (its
+    /// process never held its mutex); false when it is live or dead, and so the reaper's.
+    pub(super) fn claim_reserved(&self, m: u32) -> bool {
+        self.member(m)
+            .state
+            .compare_exchange(RESERVED, REAPING, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+    }
+
     /// Gives back a number reserved for a child that never ran its engine.
     pub(super) fn unreserve(&self, m: u32) {
         let mb = self.member(m);

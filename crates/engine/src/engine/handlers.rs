@@ -31,10 +31,11 @@ const STRAY_LIMIT: u32 = 1000;
 /// message does not repeat.
 const STRAY_RETRIES: u32 = 3;
 
-/// Faults a handler thread holds while a fork has the engine's gate closed (one per thread
-/// waiting; a handler holding this many waits at the gate, leaving the fork's event to the
-/// others).
-const HELD: usize = 64;
+/// Faults a handler thread holds while a fork has the engine's gate closed (about one per
+/// thread waiting). A handler holding this many waits at the gate, leaving the fork's event
+/// to the other handlers: with one handler (one CPU) and more threads faulting at once during
+/// a fork, the fork would wait for good.
+const HELD: usize = 4096;
 
 /// The latest stray faults per thread (a few threads at a time; a thread whose entry was
 /// taken by another just needs more retries). Fixed size: a handler thread must not allocate
@@ -85,7 +86,7 @@ impl Engine {
         // Faults read while a fork had the engine's gate closed, served once it opens. The
         // handler keeps reading meanwhile: the fork's own event comes through the same
         // userfaultfd, and the fork waits until it is read.
-        let mut held = [PageFault { address: 0, tid: 0 }; HELD];
+        let mut held = vec![PageFault { address: 0, tid: 0 }; HELD];
         let mut n_held = 0;
         loop {
             if n_held > 0 {
@@ -94,8 +95,9 @@ impl Engine {
                         self.serve(f);
                     }
                     n_held = 0;
-                } else if !self.uffd.readable(1) {
-                    continue;
+                } else {
+                    // (poll(2) cannot say whether a blocking userfaultfd has a message.)
+                    std::thread::sleep(std::time::Duration::from_micros(100));
                 }
             }
             // Holding faults, a handler must not sleep in read: another handler may take the

@@ -494,6 +494,7 @@ impl Engine {
     /// Writes out what `--record` has collected (the recording thread does so every 20 ms;
     /// call it once more at exit).
     pub fn flush_record(&self) {
+        let _inside = self.gate.enter();
         if self.is_forked() {
             // The recording is the parent's.
             return;

@@ -71,6 +71,11 @@ impl Shared {
         self.head.as_slice::<AtomicU64>()[3].load(Ordering::Acquire)
     }
 
+    /// Slots held by any member.
+    fn used(&self) -> &AtomicU64 {
+        &self.head.as_slice::<AtomicU64>()[4]
+    }
+
     fn word(&self, s: u64) -> &AtomicU64 {
         &self.words.as_slice::<AtomicU64>()[s as usize]
     }
@@ -166,8 +171,12 @@ impl SlotMap {
         let bit = 1u64 << m;
         let mut held = 0;
         for s in 0..self.len() {
-            if self.shared.word(s).fetch_and(!bit, Ordering::AcqRel) & bit != 0 {
+            let was = self.shared.word(s).fetch_and(!bit, Ordering::AcqRel);
+            if was & bit != 0 {
                 held += 1;
+                if was == bit {
+                    self.shared.used().fetch_sub(1, Ordering::AcqRel);
+                }
             }
         }
         held
@@ -175,7 +184,7 @@ impl SlotMap {
 
     /// Slots in use by any member (this process and those it forked or was forked with).
     pub fn used_by_family(&self) -> u64 {
-        (0..self.len()).filter(|&s| self.is_used(s)).count() as u64
+        self.shared.used().load(Ordering::Acquire)
     }
 
     /// Sets how many slots the tier may use from now on (at most the cap given at creation);
@@ -264,10 +273,15 @@ impl SlotMap {
 
     /// Claims free slot `s` for this process; false when a member holds it.
     fn claim(&self, s: u64) -> bool {
-        self.shared
+        let ok = self
+            .shared
             .word(s)
             .compare_exchange(0, self.me, Ordering::AcqRel, Ordering::Relaxed)
-            .is_ok()
+            .is_ok();
+        if ok {
+            self.shared.used().fetch_add(1, Ordering::AcqRel);
+        }
+        ok
     }
 
     /// Takes a free slot below the limit for a copy that moves down from above it (which gives
@@ -356,6 +370,9 @@ impl SlotMap {
         debug_assert!(was & self.me != 0, "double free of tier slot {s}");
         if was & self.me != 0 {
             self.in_use -= 1;
+            if was == self.me {
+                self.shared.used().fetch_sub(1, Ordering::AcqRel);
+            }
         }
     }
 }
@@ -431,5 +448,44 @@ mod tests {
         assert_eq!(m.alloc_run(100, |_| true), Some((n, 60 - n)));
         assert_eq!(m.alloc_run(100, |_| true), Some((60, 100)));
         assert!(m.len() >= 160);
+    }
+
+    #[test]
+    fn a_shared_slot_is_free_only_when_its_last_holder_lets_go() {
+        let mut parent = SlotMap::new(100, 100).unwrap();
+        let (first, n) = parent.alloc_run(10, |_| true).unwrap();
+        assert_eq!((first, n), (0, 10));
+        // A fork: the child (member 5) holds what the parent holds, through the same words.
+        parent.share(5, 0..10);
+        let mut child = SlotMap {
+            shared: parent.shared.clone(),
+            me: 1 << 5,
+            in_use: parent.in_use,
+            cursor: parent.cursor,
+            limit: parent.limit,
+            cap: parent.cap,
+        };
+        assert_eq!(parent.used_by_family(), 10);
+        // The parent lets slots 0..5 go: the child still holds them.
+        for s in 0..5 {
+            parent.free(s);
+        }
+        assert_eq!(parent.in_use(), 5);
+        assert_eq!(parent.used_by_family(), 10);
+        assert!((0..10).all(|s| parent.is_used(s)));
+        // Neither can take a slot another holds: new runs start past them.
+        let (a, _) = parent.alloc_run(1, |_| true).unwrap();
+        let (b, _) = child.alloc_run(1, |_| true).unwrap();
+        assert!(a >= 10 && b >= 10 && a != b, "{a} {b}");
+        // The child lets slot 0 go: free now.
+        child.free(0);
+        assert!(!parent.is_used(0));
+        assert_eq!(parent.used_by_family(), 11);
+        // The child dies: what it alone held is free, what the parent holds stays.
+        assert_eq!(parent.forget_member(5), 10, "slots 1..10 and its own run");
+        assert_eq!(parent.used_by_family(), 6, "the parent's 5..10 and its run");
+        assert!((1..5).all(|s| !parent.is_used(s)));
+        assert!((5..10).all(|s| parent.is_used(s)));
+        assert!(!parent.is_used(b));
     }
 }
