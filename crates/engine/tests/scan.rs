@@ -153,15 +153,19 @@ fn a_scan_does_not_flush_the_hot_set() {
         snap.faults_tier > 10_000,
         "the workload must exceed DRAM: {snap:?}"
     );
-    // Within 10% of before (and a tenth of a point, for rates near zero).
+    // A scan that flushed the hot set would have every hot page fault again afterwards: about
+    // 2050 more misses in the 184 K hot accesses of the window after, twice the rate before,
+    // and few hot pages left in DRAM. Runs that do not flush it spread up to 1.37x the rate
+    // before and keep 70-99% of the hot pages (twelve runs, 2026-11-26): within 1.5x (and a
+    // tenth of a point, for rates near zero), keeping 60%.
     assert!(
-        after.rate() <= before.rate() * 1.10 + 0.001,
+        after.rate() <= before.rate() * 1.5 + 0.001,
         "the scan flushed the hot set: misses {:.2}% after vs {:.2}% before",
         100.0 * after.rate(),
         100.0 * before.rate()
     );
     assert!(
-        kept_after * 10 >= kept_before * 8,
+        kept_after * 10 >= kept_before * 6,
         "the scan evicted the hot set: {kept_before} hot pages in DRAM before, {kept_after} after"
     );
     engine.audit().unwrap();

@@ -213,11 +213,12 @@ impl SlotMap {
             return false;
         }
         let len = self.len();
-        if len < self.limit {
-            // The store can grow.
-            return true;
+        if len <= self.limit {
+            // Every slot in use lies below len.
+            return self.used_by_family() < len;
         }
-        self.free_below(self.limit.min(len))
+        // Lowered: slots in use above the limit do not count; look below it.
+        self.free_below(self.limit)
     }
 
     fn free_below(&self, end: u64) -> bool {
