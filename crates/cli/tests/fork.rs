@@ -207,3 +207,80 @@ fn a_child_killed_mid_fault_leaves_no_slot_behind() {
     assert!(before[0] > before[1], "the child held slots: {text}");
     assert!(text.contains("all the parent's; wrong words 0"), "{text}");
 }
+
+/// A child forked from a thread other than the main one ends when that thread's function
+/// returns, as natively (its engine's threads do not keep it alive: CPython's test_threading
+/// waited for such a child for good), and so does a program whose main thread leaves with
+/// `pthread_exit` before its worker ends.
+#[test]
+fn a_process_ends_with_its_last_program_thread() {
+    require("python3");
+    let s = Scratch::new("fork-thread");
+    let script = s.path().join("thread_fork.py");
+    std::fs::write(
+        &script,
+        r#"
+import os, threading, sys
+b = bytearray(32 << 20)
+for i in range(0, len(b), 4096):
+    b[i] = 1
+def func():
+    pid = os.fork()
+    if pid == 0:
+        print("child", sum(b[::4096]), threading.main_thread().ident == threading.get_ident())
+        sys.stdout.flush()
+    else:
+        _, st = os.waitpid(pid, 0)
+        print("parent: the child exited with", os.waitstatus_to_exitcode(st))
+th = threading.Thread(target=func)
+th.start()
+th.join()
+"#,
+    )
+    .unwrap();
+    let native = natively(Command::new("python3").arg(&script));
+    let out = common::output_within(
+        memtide()
+            .args(["run", "-q", "--dram", "8MiB", "--tier"])
+            .arg(s.path())
+            .args(["--", "python3"])
+            .arg(&script),
+        Duration::from_secs(60),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(String::from_utf8_lossy(&out.stdout), native);
+
+    require("gcc");
+    let c = s.path().join("pexit.c");
+    std::fs::write(
+        &c,
+        "#include <pthread.h>\n#include <stdio.h>\n#include <stdlib.h>\n#include <unistd.h>\n\
+         static void *work(void *a) { char *p = malloc(64 << 20);\n\
+         for (int i = 0; i < (64 << 20); i += 4096) p[i] = 1;\n\
+         usleep(100000); printf(\"worker done\\n\"); fflush(stdout); return a; }\n\
+         int main(void) { pthread_t t; pthread_create(&t, 0, work, 0);\n\
+         printf(\"main leaves\\n\"); fflush(stdout); pthread_exit(0); }\n",
+    )
+    .unwrap();
+    let exe = s.path().join("pexit");
+    let b = Command::new("gcc")
+        .args(["-O1", "-pthread", "-o"])
+        .arg(&exe)
+        .arg(&c)
+        .output()
+        .unwrap();
+    assert!(b.status.success(), "gcc: {}", stderr(&b));
+    let out = common::output_within(
+        memtide()
+            .args(["run", "-q", "--dram", "16MiB", "--tier"])
+            .arg(s.path())
+            .arg("--")
+            .arg(&exe),
+        Duration::from_secs(60),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "main leaves\nworker done\n"
+    );
+}

@@ -9,6 +9,7 @@
 //! through the `malloc` symbol this library overrides, so the library never re-enters itself;
 //! so does everything the engine's own threads call (see `memtide_engine::threads`).
 
+mod lifetime;
 mod next;
 mod overrides;
 
