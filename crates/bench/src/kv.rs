@@ -666,7 +666,7 @@ fn bgsave(port: u16, pid: u32) -> Result<(f64, u64)> {
     }
     let mut peak = 0;
     loop {
-        peak = peak.max(tree_pss_anon(pid));
+        peak = peak.max(memtide_launch::procs::tree_pss_anon_bytes(pid));
         w.write_all(b"*2\r\n$4\r\nINFO\r\n$11\r\npersistence\r\n")?;
         line.clear();
         r.read_line(&mut line)?;
@@ -686,52 +686,6 @@ fn bgsave(port: u16, pid: u32) -> Result<(f64, u64)> {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-}
-
-/// The sum of `Pss_Anon` over process `root` and its descendants, in bytes.
-fn tree_pss_anon(root: u32) -> u64 {
-    let mut parent_of = Vec::new();
-    if let Ok(rd) = std::fs::read_dir("/proc") {
-        for e in rd.flatten() {
-            let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
-                continue;
-            };
-            if let Some(ppid) = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                .ok()
-                .and_then(|s| {
-                    s.rsplit_once(')')?
-                        .1
-                        .split_whitespace()
-                        .nth(1)?
-                        .parse::<u32>()
-                        .ok()
-                })
-            {
-                parent_of.push((pid, ppid));
-            }
-        }
-    }
-    let mut tree = vec![root];
-    let mut i = 0;
-    while i < tree.len() {
-        let p = tree[i];
-        tree.extend(
-            parent_of
-                .iter()
-                .filter(|&&(_, pp)| pp == p)
-                .map(|&(c, _)| c),
-        );
-        i += 1;
-    }
-    tree.iter()
-        .filter_map(|p| std::fs::read_to_string(format!("/proc/{p}/smaps_rollup")).ok())
-        .filter_map(|s| {
-            s.lines()
-                .find(|l| l.starts_with("Pss_Anon:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        })
-        .sum::<u64>()
-        * 1024
 }
 
 /// Runs the experiment for `server` under every configuration; prints the table, writes the

@@ -132,15 +132,6 @@ pub fn describe(status: ExitStatus) -> String {
     }
 }
 
-/// Whether process `pid` still runs (not ended, not a zombie).
-fn running(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
-        s.rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().next())
-            .is_some_and(|state| state != "Z" && state != "X")
-    })
-}
-
 fn write_stats_file(
     path: &Path,
     program: &str,
@@ -374,7 +365,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
                 let mut report = if pinned {
                     pinned_report(child_pid)
                 } else {
-                    TenantReport::of(c.latest.values(), running)
+                    TenantReport::of(c.latest.values(), memtide_launch::procs::running)
                 };
                 report.pid = child_pid;
                 let (quota, share) = match &mut link {

@@ -260,37 +260,30 @@ pub struct Mapping {
 impl Mapping {
     /// Maps `len` bytes (rounded up to pages) of zeroed, read-write, never-reserved memory.
     pub fn anon(len: usize) -> io::Result<Mapping> {
+        Mapping::fresh(
+            len,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+        )
+    }
+
+    /// Maps `len` bytes (rounded up to pages), read-write, with `flags`, of file `fd` (-1:
+    /// anonymous memory), at a kernel-chosen address.
+    fn fresh(len: usize, flags: i32, fd: i32) -> io::Result<Mapping> {
         let len = round_up(len.max(1), PAGE_SIZE);
         // SAFETY: a fresh mapping at a kernel-chosen address cannot clobber anything.
-        let addr = unsafe {
-            mmap(
-                0,
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )?
-        };
+        let addr = unsafe { mmap(0, len, libc::PROT_READ | libc::PROT_WRITE, flags, fd, 0)? };
         Ok(Mapping { addr, len })
     }
 
     /// Maps `len` bytes (rounded up to pages) of zeroed memory shared with the children this
     /// process forks (`MAP_SHARED`): what one writes, the others see.
     pub fn shared_anon(len: usize) -> io::Result<Mapping> {
-        let len = round_up(len.max(1), PAGE_SIZE);
-        // SAFETY: a fresh mapping at a kernel-chosen address cannot clobber anything.
-        let addr = unsafe {
-            mmap(
-                0,
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )?
-        };
-        Ok(Mapping { addr, len })
+        Mapping::fresh(
+            len,
+            libc::MAP_SHARED | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+        )
     }
 
     /// Maps the first `len` bytes of file `fd` (grown to that length if shorter), shared: what
@@ -305,18 +298,7 @@ impl Mapping {
             // SAFETY: growing a file of ours.
             check(unsafe { libc::ftruncate(fd, len as libc::off_t) } as libc::c_long)?;
         }
-        // SAFETY: a fresh mapping at a kernel-chosen address cannot clobber anything.
-        let addr = unsafe {
-            mmap(
-                0,
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd,
-                0,
-            )?
-        };
-        Ok(Mapping { addr, len })
+        Mapping::fresh(len, libc::MAP_SHARED, fd)
     }
 
     pub fn addr(&self) -> usize {

@@ -3,11 +3,37 @@
 //! `memtide run` loads it with settings in the environment (`MEMTIDE_DRAM`, `MEMTIDE_TIER`, …).
 //! The engine starts lazily, on the program's first allocation at or above the size threshold,
 //! so short-lived helper processes (a shell, `ls`) pay nothing. The overridden symbols live in
-//! `overrides.rs`; this file holds the start-up, the settings and the stats writer.
+//! `overrides.rs` (and `lifetime.rs`, for threads); this file holds the start-up, the settings and the stats writer.
 //!
 //! Rust code here allocates through glibc's internal entry points (`__libc_malloc`), never
 //! through the `malloc` symbol this library overrides, so the library never re-enters itself;
 //! so does everything the engine's own threads call (see `memtide_engine::threads`).
+
+/// Resolves the next definition of a symbol (libc's), once.
+macro_rules! real {
+    ($name:literal, $ty:ty) => {{
+        static P: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let mut f = P.load(std::sync::atomic::Ordering::Relaxed);
+        if f == 0 {
+            // SAFETY: NUL-terminated symbol name; RTLD_NEXT from a shared object.
+            f = unsafe {
+                libc::dlsym(
+                    libc::RTLD_NEXT,
+                    concat!($name, "\0").as_ptr() as *const libc::c_char,
+                )
+            } as usize;
+            if f == 0 {
+                let msg = concat!("memtide: fatal: libc has no ", $name, "\n");
+                memtide_engine::say::fatal_line(msg.as_bytes());
+                // SAFETY: aborting.
+                unsafe { libc::abort() }
+            }
+            P.store(f, std::sync::atomic::Ordering::Relaxed);
+        }
+        // SAFETY: `f` is the address of libc's function of this signature.
+        unsafe { std::mem::transmute::<usize, $ty>(f) }
+    }};
+}
 
 mod lifetime;
 mod next;

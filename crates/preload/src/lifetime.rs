@@ -9,9 +9,7 @@
 //! ends the process with `exit(0)`, as glibc would have. (Its own thread-specific data
 //! destructors do not run then; the process's `atexit` handlers do.)
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-
-use libc::{c_char, c_int, c_void, pthread_attr_t, pthread_t};
+use libc::{c_int, c_void, pthread_attr_t, pthread_t};
 
 use crate::engine;
 
@@ -22,22 +20,6 @@ type StartRoutine = extern "C-unwind" fn(*mut c_void) -> *mut c_void;
 struct Start {
     f: StartRoutine,
     arg: *mut c_void,
-}
-
-/// Resolves libc's definition of `name` (NUL-terminated), once per call site.
-fn libc_fn(cache: &AtomicUsize, name: &[u8]) -> usize {
-    let mut f = cache.load(Ordering::Relaxed);
-    if f == 0 {
-        // SAFETY: NUL-terminated symbol name; RTLD_NEXT from a shared object.
-        f = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr() as *const c_char) } as usize;
-        if f == 0 {
-            memtide_engine::say::fatal_line(b"memtide: fatal: libc lacks a pthread function\n");
-            // SAFETY: aborting.
-            unsafe { libc::abort() }
-        }
-        cache.store(f, Ordering::Relaxed);
-    }
-    f
 }
 
 extern "C-unwind" fn trampoline(p: *mut c_void) -> *mut c_void {
@@ -107,20 +89,15 @@ pub unsafe extern "C" fn pthread_create(
     f: StartRoutine,
     arg: *mut c_void,
 ) -> c_int {
-    static REAL: AtomicUsize = AtomicUsize::new(0);
-    let real = libc_fn(&REAL, b"pthread_create\0");
-    // SAFETY: libc's pthread_create has this signature.
-    let real = unsafe {
-        std::mem::transmute::<
-            usize,
-            unsafe extern "C" fn(
-                *mut pthread_t,
-                *const pthread_attr_t,
-                StartRoutine,
-                *mut c_void,
-            ) -> c_int,
-        >(real)
-    };
+    let real = real!(
+        "pthread_create",
+        unsafe extern "C" fn(
+            *mut pthread_t,
+            *const pthread_attr_t,
+            StartRoutine,
+            *mut c_void,
+        ) -> c_int
+    );
     let s = Box::into_raw(Box::new(Start { f, arg }));
     // SAFETY: forwarding the caller's arguments, with our start routine and its box.
     let rc = unsafe { real(thread, attr, trampoline, s as *mut c_void) };
@@ -139,11 +116,7 @@ pub unsafe extern "C" fn pthread_create(
 #[no_mangle]
 pub unsafe extern "C" fn pthread_exit(retval: *mut c_void) -> ! {
     end_if_last();
-    static REAL: AtomicUsize = AtomicUsize::new(0);
-    let real = libc_fn(&REAL, b"pthread_exit\0");
-    // SAFETY: libc's pthread_exit has this signature and does not return.
-    let real =
-        unsafe { std::mem::transmute::<usize, unsafe extern "C" fn(*mut c_void) -> !>(real) };
+    let real = real!("pthread_exit", unsafe extern "C" fn(*mut c_void) -> !);
     // SAFETY: forwarding.
     unsafe { real(retval) }
 }

@@ -7,7 +7,7 @@
 
 #![allow(clippy::missing_safety_doc)]
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 
 use libc::{c_char, c_int, c_void, iovec, msghdr, off_t, size_t, sockaddr, socklen_t, ssize_t};
 use memtide_engine::{signal, Engine, MemError};
@@ -16,32 +16,6 @@ use crate::next::{self, next};
 use crate::{engine, engine_or_start, signal_faults, IO_CHUNK, THRESHOLD};
 
 const PAGE: usize = 4096;
-
-/// Resolves the next definition of a symbol (libc's), once.
-macro_rules! real {
-    ($name:literal, $ty:ty) => {{
-        static P: AtomicUsize = AtomicUsize::new(0);
-        let mut f = P.load(Ordering::Relaxed);
-        if f == 0 {
-            // SAFETY: NUL-terminated symbol name; RTLD_NEXT from a shared object.
-            f = unsafe {
-                libc::dlsym(
-                    libc::RTLD_NEXT,
-                    concat!($name, "\0").as_ptr() as *const c_char,
-                )
-            } as usize;
-            if f == 0 {
-                let msg = concat!("memtide: fatal: libc has no ", $name, "\n");
-                memtide_engine::say::fatal_line(msg.as_bytes());
-                // SAFETY: aborting.
-                unsafe { libc::abort() }
-            }
-            P.store(f, Ordering::Relaxed);
-        }
-        // SAFETY: `f` is the address of libc's function of this signature.
-        unsafe { std::mem::transmute::<usize, $ty>(f) }
-    }};
-}
 
 fn set_errno(e: c_int) {
     // SAFETY: errno is always valid for the calling thread.

@@ -236,51 +236,5 @@ pub fn guest() -> PathBuf {
     out
 }
 
-/// The processes of the tree rooted at `root` (it and its descendants), from /proc.
-pub fn process_tree(root: u32) -> Vec<u32> {
-    let mut parent_of = Vec::new();
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            continue;
-        };
-        // The parent is the second field after the command's closing parenthesis.
-        if let Some(ppid) = stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok())
-        {
-            parent_of.push((pid, ppid));
-        }
-    }
-    let mut tree = vec![root];
-    let mut i = 0;
-    while i < tree.len() {
-        let p = tree[i];
-        tree.extend(
-            parent_of
-                .iter()
-                .filter(|&&(_, pp)| pp == p)
-                .map(|&(c, _)| c),
-        );
-        i += 1;
-    }
-    tree
-}
-
-/// The DRAM a process tree's anonymous memory takes, in bytes: the sum of its processes'
-/// proportional shares (`Pss_Anon`), so that a page two processes share copy-on-write counts
-/// once, as the machine holds it.
-pub fn tree_pss_anon_bytes(root: u32) -> u64 {
-    process_tree(root)
-        .iter()
-        .filter_map(|p| std::fs::read_to_string(format!("/proc/{p}/smaps_rollup")).ok())
-        .filter_map(|s| {
-            s.lines()
-                .find(|l| l.starts_with("Pss_Anon:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        })
-        .sum::<u64>()
-        * 1024
-}
+#[allow(unused_imports)]
+pub use memtide_launch::procs::tree_pss_anon_bytes;

@@ -221,10 +221,9 @@ impl Engine {
         self.pause_evictor();
         // The child holds every slot this process holds.
         let hw = self.high_water.load(Ordering::Acquire);
-        let slots = self.file.slots();
-        slots.share(member, (0..hw).filter_map(|i| self.pt.slot(i)));
-        slots.shared().members().fetch_add(1, Ordering::AcqRel);
-        drop(slots);
+        self.file
+            .slots()
+            .share(member, (0..hw).filter_map(|i| self.pt.slot(i)));
         self.fork_link.sock.store(parent_end, Ordering::Release);
         ForkPlan::Tiered {
             member,
@@ -256,10 +255,7 @@ impl Engine {
             // No child (the fork failed), or it died before its engine ran. A child that died
             // after its evictor took its number is the reaper's, as any dead member.
             if self.group.claim_reserved(member) {
-                let slots = self.file.slots();
-                slots.forget_member(member);
-                slots.shared().members().fetch_sub(1, Ordering::AcqRel);
-                drop(slots);
+                self.file.slots().forget_member(member);
                 self.group.unreserve(member);
             }
         } else {
@@ -341,9 +337,7 @@ impl Engine {
         let family = self.file.slots().shared().family();
         self.group
             .reap(self.member.load(Ordering::Acquire), family, |m| {
-                let slots = self.file.slots();
-                slots.forget_member(m);
-                slots.shared().members().fetch_sub(1, Ordering::AcqRel);
+                self.file.slots().forget_member(m);
             });
     }
 

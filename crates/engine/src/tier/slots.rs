@@ -61,7 +61,7 @@ impl Shared {
     }
 
     /// Members holding slots of this file (1 until the first fork).
-    pub fn members(&self) -> &AtomicU32 {
+    fn members(&self) -> &AtomicU32 {
         &self.head.as_slice::<AtomicU32>()[5]
     }
 
@@ -158,16 +158,20 @@ impl SlotMap {
         self.me = 1 << m;
     }
 
-    /// Before a fork: member `m` (the child) holds every slot in `slots` too.
+    /// Before a fork: member `m` (the child) joins the file's holders and holds every slot in
+    /// `slots` too.
     pub fn share(&self, m: u32, slots: impl Iterator<Item = u64>) {
+        self.shared.members().fetch_add(1, Ordering::AcqRel);
         for s in slots {
             self.shared.word(s).fetch_or(1 << m, Ordering::AcqRel);
         }
     }
 
-    /// Member `m` is gone (it exited, or a fork that was to make it failed): every slot it held
-    /// is let go, and freed where no other member holds it. Returns how many slots it held.
+    /// Member `m` is gone (it exited, or a fork that was to make it failed): it leaves the
+    /// file's holders, and every slot it held is let go, freed where no other member holds it.
+    /// Returns how many slots it held.
     pub fn forget_member(&self, m: u32) -> u64 {
+        self.shared.members().fetch_sub(1, Ordering::AcqRel);
         let bit = 1u64 << m;
         let mut held = 0;
         for s in 0..self.len() {
