@@ -291,6 +291,10 @@ impl Engine {
         }
         self.file.backend.forked();
         self.counters.forked();
+        // Its peak DRAM starts at what it holds at the fork (not the parent's peak before it).
+        self.counters
+            .peak_resident_pages
+            .store(self.quota.held(), Ordering::Relaxed);
         self.file.slots().become_member(member);
         // Pins were held by the parent's threads, which are not here; so were any waits.
         let hw = self.high_water.load(Ordering::Acquire);
