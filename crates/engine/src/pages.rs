@@ -51,6 +51,13 @@ const WAITERS: u32 = 1 << 4;
 /// The program gave the page a protection other than read-write (`mprotect`): its mapping
 /// lives in a VMA of its own, which `UFFDIO_MOVE` to and from staging refuses.
 const PROTECTED: u32 = 1 << 5;
+/// The page was mapped when the CLOCK sweep last read which pages were written, and has not
+/// left DRAM since: a write reported now came after that read (see `Written` in the evictor).
+/// Cleared when the page leaves DRAM.
+const SWEPT: u32 = 1 << 6;
+/// The page was written after the sweep last read its writes, as read half a pass ahead of
+/// the hand: the hand finds it in use. Cleared when the page leaves DRAM.
+const WROTE: u32 = 1 << 7;
 const PIN_SHIFT: u32 = 8;
 const PIN_ONE: u32 = 1 << PIN_SHIFT;
 const PIN_MASK: u32 = 0xFF << PIN_SHIFT;
@@ -150,6 +157,17 @@ impl Word {
         Activeness(((self.0 & HIST_MASK) >> HIST_SHIFT) as u8)
     }
 
+    /// Whether the page was mapped when the sweep last read its writes, and stayed in DRAM.
+    pub fn swept(self) -> bool {
+        self.0 & SWEPT != 0
+    }
+
+    /// Whether the page was written after the sweep last read its writes, as read ahead of
+    /// the hand.
+    pub fn wrote(self) -> bool {
+        self.0 & WROTE != 0
+    }
+
     /// How many times in a row the sweep's test found the page in use.
     pub fn proven(self) -> u8 {
         ((self.0 & PROVEN_MASK) >> PROVEN_SHIFT) as u8
@@ -159,7 +177,7 @@ impl Word {
     fn with_state(self, s: State) -> Word {
         let kept = match s {
             State::Mapped | State::Staged | State::Writing | State::Busy => !0,
-            _ => !PROVEN_MASK,
+            _ => !(PROVEN_MASK | SWEPT | WROTE),
         };
         Word((self.0 & !(STATE_MASK | WAITERS) & kept) | s as u32)
     }
@@ -379,6 +397,18 @@ impl PageTable {
 
     pub fn unpin(&self, i: usize) {
         self.word(i).fetch_sub(PIN_ONE, Ordering::AcqRel);
+    }
+
+    /// Marks page `i` as mapped when the sweep read its writes ([`Word::swept`]), and
+    /// whether it was written before that ([`Word::wrote`]).
+    pub fn set_swept(&self, i: usize, wrote: bool) {
+        let w = self.word(i);
+        if wrote {
+            w.fetch_or(SWEPT | WROTE, Ordering::AcqRel);
+        } else {
+            w.fetch_and(!WROTE, Ordering::AcqRel);
+            w.fetch_or(SWEPT, Ordering::AcqRel);
+        }
     }
 
     /// Ends an epoch for page `i`: shifts its history. Returns the history before the shift.

@@ -171,6 +171,8 @@ pub struct Counters {
     pub tier_copies_moved: AtomicU64,
     /// Pages unmapped into the inactive list.
     pub deactivations: AtomicU64,
+    /// Pages the sweep found written since it last passed (kept mapped: no hint fault).
+    pub pages_seen_written: AtomicU64,
     /// Inactive pages put back in place without a touch (to make room in the inactive list
     /// when there is no pressure).
     pub reactivations: AtomicU64,
@@ -240,6 +242,7 @@ impl Counters {
             &self.tier_copies_dropped,
             &self.tier_copies_moved,
             &self.deactivations,
+            &self.pages_seen_written,
             &self.reactivations,
             &self.tier_read_bytes,
             &self.tier_write_bytes,
@@ -351,6 +354,10 @@ pub struct Snapshot {
     #[serde(default)]
     pub tier_copies_moved: u64,
     pub deactivations: u64,
+    /// Pages the CLOCK sweep found written since it last passed them, and kept mapped
+    /// (where the kernel tracks writes: see `Uffd::tracks_writes`).
+    #[serde(default)]
+    pub pages_seen_written: u64,
     #[serde(default)]
     pub reactivations: u64,
     /// `--record`: events written, and events lost because the recording fell behind.

@@ -440,6 +440,83 @@ impl Pagemap {
         Ok(())
     }
 
+    /// Calls `written(start, end)` for each run of pages in `[start, end)` written since they
+    /// were last write-protected (or mapped unprotected), and write-protects them again, at
+    /// once (`PAGEMAP_SCAN`, Linux 6.7; the range must be registered for asynchronous
+    /// write-protection, [`Uffd::tracks_writes`](crate::uffd::Uffd::tracks_writes)).
+    /// Allocates nothing.
+    pub fn written(
+        &self,
+        start: usize,
+        end: usize,
+        mut written: impl FnMut(usize, usize),
+    ) -> io::Result<()> {
+        #[repr(C)]
+        #[derive(Clone, Copy, Default)]
+        struct PageRegion {
+            start: u64,
+            end: u64,
+            categories: u64,
+        }
+        #[repr(C)]
+        #[derive(Default)]
+        struct PmScanArg {
+            size: u64,
+            flags: u64,
+            start: u64,
+            end: u64,
+            walk_end: u64,
+            vec: u64,
+            vec_len: u64,
+            max_pages: u64,
+            category_inverted: u64,
+            category_mask: u64,
+            category_anyof_mask: u64,
+            return_mask: u64,
+        }
+        const PM_SCAN_WP_MATCHING: u64 = 1;
+        const PM_SCAN_CHECK_WPASYNC: u64 = 2;
+        const PAGE_IS_WRITTEN: u64 = 2;
+        const PAGE_IS_PRESENT: u64 = 8;
+        const PAGEMAP_SCAN: u64 =
+            (3 << 30) | ((std::mem::size_of::<PmScanArg>() as u64) << 16) | (b'f' as u64) << 8 | 16;
+        let mut regions = [PageRegion::default(); 64];
+        let mut at = start;
+        while at < end {
+            let mut arg = PmScanArg {
+                size: std::mem::size_of::<PmScanArg>() as u64,
+                flags: PM_SCAN_WP_MATCHING | PM_SCAN_CHECK_WPASYNC,
+                start: at as u64,
+                end: end as u64,
+                vec: regions.as_mut_ptr() as u64,
+                vec_len: regions.len() as u64,
+                // Present pages only: write-protecting a missing one would leave a marker
+                // there, onto which UFFDIO_MOVE and UFFDIO_ZEROPAGE then fail with EEXIST.
+                category_mask: PAGE_IS_WRITTEN | PAGE_IS_PRESENT,
+                return_mask: PAGE_IS_WRITTEN,
+                ..PmScanArg::default()
+            };
+            // SAFETY: PAGEMAP_SCAN reads `arg` and writes at most `vec_len` regions into our
+            // array and `walk_end` into `arg`.
+            let ret = unsafe { libc::ioctl(self.fd, PAGEMAP_SCAN as _, &mut arg) };
+            if ret < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e);
+            }
+            for r in &regions[..ret as usize] {
+                written(r.start as usize, r.end as usize);
+            }
+            if arg.walk_end as usize <= at {
+                break;
+            }
+            at = arg.walk_end as usize;
+        }
+        Ok(())
+    }
+
     /// Presence of the one page at `addr`.
     pub fn of(&self, addr: usize) -> io::Result<Presence> {
         let mut one = [Presence::Absent];

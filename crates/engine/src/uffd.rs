@@ -66,6 +66,12 @@ pub struct PageFault {
 }
 
 const REGISTER_MODE_MISSING: u64 = 1;
+const REGISTER_MODE_WP: u64 = 2;
+/// UFFDIO_COPY: map the page write-protected.
+const COPY_MODE_WP: u64 = 2;
+/// Write-protect faults resolved by the kernel itself, with no message (Linux 6.7): a write
+/// to a protected page only clears its protection, which `PAGEMAP_SCAN` then reports.
+const FEATURE_WP_ASYNC: u64 = 1 << 15;
 /// madvise: fault the range in writable, as a write would (breaking copy-on-write sharing),
 /// without writing.
 const MADV_POPULATE_WRITE: i32 = 23;
@@ -175,6 +181,8 @@ pub struct Uffd {
     delivery: Delivery,
     /// Whether forks are reported (see [`FEATURE_EVENT_FORK`]).
     fork_events: bool,
+    /// Whether writes are tracked by the kernel (see [`FEATURE_WP_ASYNC`]).
+    wp_async: bool,
     /// Fault injection for tests: every Nth move that moved pages reports one page fewer and
     /// fails with EEXIST, as 6.18's batched move can after an internal retry (0: off).
     underreport_every: AtomicU32,
@@ -209,30 +217,47 @@ impl Uffd {
     /// With handler threads, forks are reported too where the kernel allows it (it asks for
     /// CAP_SYS_PTRACE): a child then keeps its registered memory and gets a userfaultfd of its
     /// own, and the engine tiers both processes. Without, see [`fork_events`](Self::fork_events).
-    pub fn open(delivery: Delivery) -> Result<Uffd, OpenError> {
+    ///
+    /// With `track_writes`, and where the kernel offers it (Linux 6.7), registered memory is
+    /// also write-protected with the kernel resolving the write faults itself, so that the
+    /// engine can read which pages were written ([`tracks_writes`](Self::tracks_writes)).
+    pub fn open(delivery: Delivery, track_writes: bool) -> Result<Uffd, OpenError> {
         let want = FEATURE_MOVE
             | match delivery {
                 Delivery::Signal => FEATURE_SIGBUS,
                 Delivery::Threads => FEATURE_THREAD_ID,
             };
-        let (fd, fork_events) = match delivery {
-            Delivery::Threads => match Self::open_api(delivery, want | FEATURE_EVENT_FORK) {
-                Ok(fd) => (fd, true),
-                Err(OpenError::Other(_)) | Err(OpenError::MissingFeatures) => {
-                    (Self::open_api(delivery, want)?, false)
-                }
-                Err(e) => return Err(e),
-            },
-            Delivery::Signal => (Self::open_api(delivery, want)?, false),
+        // Features memtide does without where the kernel refuses them, most wanted first.
+        let fork = match delivery {
+            Delivery::Threads => FEATURE_EVENT_FORK,
+            Delivery::Signal => 0,
         };
-        Ok(Uffd {
-            fd: crate::fds::lift(fd),
-            delivery,
-            fork_events,
-            underreport_every: AtomicU32::new(0),
-            moves: AtomicU32::new(0),
-            copy_eexist: AtomicU32::new(0),
-        })
+        let wp = if track_writes { FEATURE_WP_ASYNC } else { 0 };
+        let mut tries: Vec<u64> = Vec::with_capacity(4);
+        for extra in [fork | wp, fork, wp, 0] {
+            if !tries.contains(&extra) {
+                tries.push(extra);
+            }
+        }
+        let mut last = OpenError::MissingFeatures;
+        for extra in tries {
+            match Self::open_api(delivery, want | extra) {
+                Ok(fd) => {
+                    return Ok(Uffd {
+                        fd: crate::fds::lift(fd),
+                        delivery,
+                        fork_events: extra & FEATURE_EVENT_FORK != 0,
+                        wp_async: extra & FEATURE_WP_ASYNC != 0,
+                        underreport_every: AtomicU32::new(0),
+                        moves: AtomicU32::new(0),
+                        copy_eexist: AtomicU32::new(0),
+                    })
+                }
+                Err(e @ (OpenError::Other(_) | OpenError::MissingFeatures)) => last = e,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last)
     }
 
     /// A userfaultfd with the `want`ed features.
@@ -261,6 +286,13 @@ impl Uffd {
 
     pub fn delivery(&self) -> Delivery {
         self.delivery
+    }
+
+    /// Whether writes are tracked without faults: registered memory is write-protected for
+    /// userfaultfd with the kernel resolving the faults itself, so that
+    /// [`Pagemap::written`](crate::sys::Pagemap::written) tells which pages were written.
+    pub fn tracks_writes(&self) -> bool {
+        self.wp_async
     }
 
     /// Whether the kernel reports this process's forks (userfaultfd's fork events: handler
@@ -415,7 +447,7 @@ impl Uffd {
                 start: start as u64,
                 len: len as u64,
             },
-            mode: REGISTER_MODE_MISSING,
+            mode: REGISTER_MODE_MISSING | if self.wp_async { REGISTER_MODE_WP } else { 0 },
             ioctls: 0,
         };
         // SAFETY: UFFDIO_REGISTER reads and writes a UffdioRegister.
@@ -464,7 +496,8 @@ impl Uffd {
                 dst: (dst + done) as u64,
                 src: (src + done) as u64,
                 len: (len - done) as u64,
-                mode: 0,
+                // Mapped protected: the page's first write is what shows it written.
+                mode: if self.wp_async { COPY_MODE_WP } else { 0 },
                 copy: 0,
             };
             // SAFETY: UFFDIO_COPY reads and writes a UffdioCopy; the ranges are the caller's.

@@ -21,7 +21,7 @@ fn presence(addr: usize) -> Vec<Presence> {
 /// A userfaultfd and two 64-page mappings registered with it and locked, as the engine's
 /// arena and staging area are.
 fn registered_pair() -> (Uffd, Mapping, Mapping) {
-    let uffd = Uffd::open(Delivery::Signal).expect("userfaultfd");
+    let uffd = Uffd::open(Delivery::Signal, false).expect("userfaultfd");
     let a = Mapping::anon(PAGES * PAGE).unwrap();
     let b = Mapping::anon(PAGES * PAGE).unwrap();
     for m in [&a, &b] {

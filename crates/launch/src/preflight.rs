@@ -49,7 +49,7 @@ pub fn check_dram(dram: u64) -> Result<()> {
 }
 
 pub fn check_uffd() -> Result<()> {
-    memtide_engine::uffd::Uffd::open(memtide_engine::Delivery::Threads).map(drop)?;
+    memtide_engine::uffd::Uffd::open(memtide_engine::Delivery::Threads, false).map(drop)?;
     Ok(())
 }
 

@@ -213,6 +213,12 @@ pub fn print(program: &str, status: &str, c: &Collected) {
             String::new()
         }
     );
+    if s.pages_seen_written > 0 {
+        eprintln!(
+            "  sweep    {} pages unmapped into the inactive list, {} kept in DRAM for being written since the last pass (no fault)",
+            s.deactivations, s.pages_seen_written
+        );
+    }
     eprintln!(
         "  active   {} touched within a second, sampled ({}), {} epochs; evictor CPU {:.2} s, scan CPU {:.2} s",
         bytes(peak.active_bytes.max(s.active_bytes)),

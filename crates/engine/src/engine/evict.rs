@@ -291,13 +291,20 @@ impl Engine {
 
     /// Moves up to `want` of the coldest mapped pages, as the policy's CLOCK sweep picks them,
     /// into the inactive list (staging). Returns how many it moved.
-    fn deactivate(&self, want: u64, sweep: &mut Sweep, victims: &mut Vec<usize>) -> u64 {
+    fn deactivate(
+        &self,
+        want: u64,
+        sweep: &mut Sweep,
+        victims: &mut Vec<usize>,
+        scanned: &mut Written,
+    ) -> u64 {
         let want = want.min(self.ring.room()).min(victims.capacity() as u64) as usize;
         victims.clear();
         let mut candidates = Candidates {
             engine: self,
             extent: self.high_water.load(Ordering::Acquire),
             victims,
+            scanned,
         };
         if sweep.deactivate(&mut candidates, want) == 0 {
             return 0;
@@ -692,6 +699,8 @@ struct Candidates<'a> {
     engine: &'a Engine,
     extent: usize,
     victims: &'a mut Vec<usize>,
+    /// The pages whose writes were last read, ahead of the hand.
+    scanned: &'a mut Written,
 }
 
 impl SweepPages for Candidates<'_> {
@@ -700,6 +709,13 @@ impl SweepPages for Candidates<'_> {
     }
 
     fn candidate(&mut self, i: usize) -> Option<Activeness> {
+        if !self.scanned.pages.contains(&i) {
+            self.scanned.read(self.engine, i, self.extent);
+        }
+        if self.scanned.was_written(i) {
+            // Found in use without a test: it keeps its place on this pass.
+            return None;
+        }
         let w = self.engine.pt.load(i);
         (w.state() == State::Mapped && w.pins() == 0 && !w.protected()).then(|| w.history())
     }
@@ -717,10 +733,103 @@ impl SweepPages for Candidates<'_> {
     }
 }
 
+/// Pages whose writes the sweep reads at a time, just ahead of its hand (2 MiB).
+const WRITE_SCAN_PAGES: usize = 512;
+/// Times a pass of the hand reads each page's writes: at the hand and evenly ahead of it.
+const WRITE_LOOKS: usize = 4;
+
 /// The CLOCK sweep's state in the evictor: the hand, and the pages it picks.
 pub(super) struct Sweeping {
     sweep: Sweep,
     victims: Vec<usize>,
+    /// The pages whose writes were last read, just ahead of the hand.
+    scanned: Written,
+}
+
+/// Which pages at the sweep's hand the program wrote lately (where the kernel tracks writes,
+/// [`Uffd::tracks_writes`]). A written page was in use: it keeps its place in DRAM without
+/// being unmapped to prove it, and counts as found in use, as a hint fault would.
+///
+/// Reading a page's writes also write-protects it again, so a read tells of the writes since
+/// the one before. The hand reads the pages it is about to pass, and half a pass ahead of
+/// itself it reads them once more: a page written then and again before the hand arrives is
+/// in use. Writes count only from a read that found the page mapped: the access that brought
+/// a page in may have been a write and its only one (a program filling memory), so a page
+/// that came in since is tested as before.
+struct Written {
+    pages: std::ops::Range<usize>,
+    bits: [u64; WRITE_SCAN_PAGES / 64],
+}
+
+impl Written {
+    fn new() -> Written {
+        Written {
+            pages: 0..0,
+            bits: [0; WRITE_SCAN_PAGES / 64],
+        }
+    }
+
+    /// Reads the writes of the pages from `at` on (at most [`WRITE_SCAN_PAGES`]), which the
+    /// hand passes next, and of those half of `extent` ahead of them.
+    fn read(&mut self, engine: &Engine, at: usize, extent: usize) {
+        let pages = at..(at + WRITE_SCAN_PAGES).min(extent);
+        self.pages = pages.clone();
+        self.bits = [0; WRITE_SCAN_PAGES / 64];
+        if !engine.uffd.tracks_writes() || pages.is_empty() {
+            return;
+        }
+        let bits = &mut self.bits;
+        let mut seen = 0u64;
+        Self::look(engine, pages.clone(), |p, written| {
+            let w = engine.pt.load(p);
+            let in_use = (written && w.swept()) || w.wrote();
+            engine.pt.set_swept(p, false);
+            if in_use {
+                let k = p - pages.start;
+                bits[k / 64] |= 1 << (k % 64);
+                engine.pt.prove(p);
+                seen += 1;
+            }
+        });
+        for j in 1..WRITE_LOOKS {
+            let ahead = (at + extent / WRITE_LOOKS * j) % extent;
+            Self::look(
+                engine,
+                ahead..(ahead + WRITE_SCAN_PAGES).min(extent),
+                |p, written| {
+                    let w = engine.pt.load(p);
+                    engine.pt.set_swept(p, w.wrote() || (written && w.swept()));
+                },
+            );
+        }
+        Counters::add(&engine.counters.pages_seen_written, seen);
+    }
+
+    /// Reads (and resets) the writes of `pages`: calls `f(page, written)` for each mapped one.
+    fn look(engine: &Engine, pages: std::ops::Range<usize>, mut f: impl FnMut(usize, bool)) {
+        let mut written = [0u64; WRITE_SCAN_PAGES / 64];
+        let base = engine.addr_of(pages.start);
+        let scan = engine
+            .pagemap
+            .written(base, engine.addr_of(pages.end), |a, b| {
+                for k in (a - base) / PAGE_SIZE..(b - base) / PAGE_SIZE {
+                    written[k / 64] |= 1 << (k % 64);
+                }
+            });
+        if let Err(e) = scan {
+            fatal("reading which pages were written (PAGEMAP_SCAN) failed", &e);
+        }
+        for (k, p) in pages.enumerate() {
+            if engine.pt.load(p).state() == State::Mapped {
+                f(p, written[k / 64] >> (k % 64) & 1 == 1);
+            }
+        }
+    }
+
+    fn was_written(&self, p: usize) -> bool {
+        let k = p.wrapping_sub(self.pages.start);
+        self.pages.contains(&p) && self.bits[k / 64] >> (k % 64) & 1 == 1
+    }
 }
 
 impl Sweeping {
@@ -728,6 +837,7 @@ impl Sweeping {
         Sweeping {
             sweep: Sweep::default(),
             victims: Vec::with_capacity((Watermarks::MAX_BATCH * 4).max(active::SAMPLE) as usize),
+            scanned: Written::new(),
         }
     }
 }
@@ -745,6 +855,7 @@ impl Evictor for Sweeping {
             engine,
             sweep: &mut self.sweep,
             victims: &mut self.victims,
+            scanned: &mut self.scanned,
             writing,
         })
     }
@@ -755,6 +866,7 @@ struct Pressure<'a> {
     engine: &'a Engine,
     sweep: &'a mut Sweep,
     victims: &'a mut Vec<usize>,
+    scanned: &'a mut Written,
     writing: &'a mut Vec<(usize, u32)>,
 }
 
@@ -768,7 +880,8 @@ impl Relieve for Pressure<'_> {
     }
 
     fn deactivate(&mut self, want: u64) -> u64 {
-        self.engine.deactivate(want, self.sweep, self.victims)
+        self.engine
+            .deactivate(want, self.sweep, self.victims, self.scanned)
     }
 
     fn write_back(&mut self, batch: u64) -> u64 {

@@ -116,6 +116,11 @@ pub struct Config {
     pub encrypt_tier: bool,
     /// Which pages leave DRAM: the CLOCK sweep (the default) or the placement queues.
     pub policy: EvictionPolicy,
+    /// Let the CLOCK sweep see which mapped pages were written (where the kernel can tell:
+    /// asynchronous userfaultfd write-protection, Linux 6.7), so that a page the program
+    /// writes keeps its place without being unmapped to prove it. On by default;
+    /// `MEMTIDE_TRACK_WRITES=0` turns it off.
+    pub track_writes: bool,
     /// How pages are compressed into the pool in DRAM before the file (LZ4 by default; `Off`:
     /// no compressed level).
     pub compress: Compress,
@@ -143,6 +148,7 @@ impl Config {
             faults: Delivery::Threads,
             encrypt_tier: false,
             policy: EvictionPolicy::Sweep,
+            track_writes: true,
             compress: Compress::Lz4,
             compressed_max_bytes: None,
             record: None,
@@ -271,7 +277,7 @@ impl Engine {
         if cfg.dram_bytes < (ZERO_CHUNK * PAGE_SIZE) as u64 {
             return Err(StartError::QuotaTooSmall);
         }
-        let uffd = Uffd::open(cfg.faults)?;
+        let uffd = Uffd::open(cfg.faults, cfg.track_writes)?;
         let (mut tier, tier_note) = tier::best(FileTier::create(&cfg.tier_path)?);
         if let Some(faults) = &cfg.tier_faults {
             tier = Box::new(Faulty::new(tier, faults.clone()));
@@ -682,6 +688,7 @@ impl Engine {
             tier_copies_dropped: r(&c.tier_copies_dropped),
             tier_copies_moved: r(&c.tier_copies_moved),
             deactivations: r(&c.deactivations),
+            pages_seen_written: r(&c.pages_seen_written),
             reactivations: r(&c.reactivations),
             recorded_events: self.recorder.as_ref().map_or(0, |r| r.written()),
             recorded_dropped: self.recorder.as_ref().map_or(0, |r| r.dropped()),
@@ -806,7 +813,7 @@ impl Engine {
             let is_present = there != sys::Presence::Absent;
             if is_present != (w.state() == State::Mapped) {
                 return Err(format!(
-                    "page {i} is {:?} but {} in the arena",
+                    "page {i} is {:?} but {} in the arena ({there:?})",
                     w.state(),
                     if is_present { "present" } else { "missing" }
                 ));
