@@ -442,9 +442,9 @@ impl Pagemap {
 
     /// Calls `written(start, end)` for each run of pages in `[start, end)` written since they
     /// were last write-protected (or mapped unprotected), and write-protects them again, at
-    /// once (`PAGEMAP_SCAN`, Linux 6.7; the range must be registered for asynchronous
-    /// write-protection, [`Uffd::tracks_writes`](crate::uffd::Uffd::tracks_writes)).
-    /// Allocates nothing.
+    /// once (`PAGEMAP_SCAN`, Linux 6.7; only memory registered for asynchronous
+    /// write-protection is read, [`Uffd::tracks_writes`](crate::uffd::Uffd::tracks_writes);
+    /// the rest of the range is skipped). Allocates nothing.
     pub fn written(
         &self,
         start: usize,
@@ -475,7 +475,6 @@ impl Pagemap {
             return_mask: u64,
         }
         const PM_SCAN_WP_MATCHING: u64 = 1;
-        const PM_SCAN_CHECK_WPASYNC: u64 = 2;
         const PAGE_IS_WRITTEN: u64 = 2;
         const PAGE_IS_PRESENT: u64 = 8;
         const PAGEMAP_SCAN: u64 =
@@ -485,7 +484,9 @@ impl Pagemap {
         while at < end {
             let mut arg = PmScanArg {
                 size: std::mem::size_of::<PmScanArg>() as u64,
-                flags: PM_SCAN_WP_MATCHING | PM_SCAN_CHECK_WPASYNC,
+                // Not PM_SCAN_CHECK_WPASYNC: a mapping of the program's own over managed
+                // memory (MAP_FIXED) is not registered, and is skipped rather than refused.
+                flags: PM_SCAN_WP_MATCHING,
                 start: at as u64,
                 end: end as u64,
                 vec: regions.as_mut_ptr() as u64,

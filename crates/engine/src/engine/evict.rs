@@ -816,8 +816,9 @@ impl Written {
                     written[k / 64] |= 1 << (k % 64);
                 }
             });
-        if let Err(e) = scan {
-            fatal("reading which pages were written (PAGEMAP_SCAN) failed", &e);
+        if scan.is_err() {
+            // Nothing is known of these pages' writes: the sweep tests them as before.
+            return;
         }
         for (k, p) in pages.enumerate() {
             if engine.pt.load(p).state() == State::Mapped {
