@@ -176,7 +176,10 @@ impl Word {
     /// The word in state `s`; a page that leaves DRAM loses its standing with the sweep.
     fn with_state(self, s: State) -> Word {
         let kept = match s {
-            State::Mapped | State::Staged | State::Writing | State::Busy => !0,
+            State::Mapped | State::Writing | State::Busy => !0,
+            // Moved back, a page is mapped writable again (its protection stays behind):
+            // what the sweep reads of it counts only from its next read.
+            State::Staged => !(SWEPT | WROTE),
             _ => !(PROVEN_MASK | SWEPT | WROTE),
         };
         Word((self.0 & !(STATE_MASK | WAITERS) & kept) | s as u32)
@@ -399,15 +402,29 @@ impl PageTable {
         self.word(i).fetch_sub(PIN_ONE, Ordering::AcqRel);
     }
 
-    /// Marks page `i` as mapped when the sweep read its writes ([`Word::swept`]), and
-    /// whether it was written before that ([`Word::wrote`]).
-    pub fn set_swept(&self, i: usize, wrote: bool) {
-        let w = self.word(i);
-        if wrote {
-            w.fetch_or(SWEPT | WROTE, Ordering::AcqRel);
-        } else {
-            w.fetch_and(!WROTE, Ordering::AcqRel);
-            w.fetch_or(SWEPT, Ordering::AcqRel);
+    /// The sweep read page `i`'s writes: marks it swept ([`Word::swept`]), notes whether it
+    /// was written ([`Word::wrote`]) and, if `in_use`, counts it found in use once more (as
+    /// [`prove`](Self::prove)). Only while the page is `Mapped`: returns whether it was.
+    pub fn sweep_read(&self, i: usize, wrote: bool, in_use: bool) -> bool {
+        let word = self.word(i);
+        let mut cur = word.load(Ordering::Acquire);
+        loop {
+            let w = Word(cur);
+            if w.state() != State::Mapped {
+                return false;
+            }
+            let mut next = (cur | SWEPT) & !WROTE;
+            if wrote {
+                next |= WROTE;
+            }
+            if in_use {
+                let k = (w.proven() + 1).min(memtide_policy::sweep::MAX_PROVEN) as u32;
+                next = (next & !PROVEN_MASK) | (k << PROVEN_SHIFT);
+            }
+            match word.compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return true,
+                Err(c) => cur = c,
+            }
         }
     }
 

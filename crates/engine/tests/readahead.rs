@@ -101,12 +101,14 @@ fn pages_read_ahead_and_never_touched_cost_no_write_and_stay_right() {
     );
     assert_eq!(wrong, 0, "the run read back its stamps");
     assert!(beyond > 0, "the last window reaches past the run");
-    // Every page brought in is counted once per read, those never touched too. (Placement
-    // can send a page of the run back before the run ends, which is then read twice.)
+    // Every page brought in is counted, those never touched too: the run's pages and those
+    // still mapped past it came in by a fault or ahead of one, and no more came in than the
+    // windows read (placement can send a page of the run back before the run ends, which is
+    // then read again; the evictor may already have taken some of those past the run).
     assert!(
-        (RUN + beyond..=RUN + beyond + 2).contains(&(faults + ahead)),
+        faults + ahead >= RUN + beyond && faults + ahead <= RUN + expected_beyond + 2,
         "{faults} tier faults and {ahead} pages read ahead for {RUN} pages touched and \
-         {beyond} mapped beyond them"
+         {beyond} mapped beyond them (windows reaching {expected_beyond} past the run)"
     );
     assert!(
         ahead > RUN / 2 && faults < RUN / 2,

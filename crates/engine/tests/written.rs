@@ -29,13 +29,17 @@ struct Outcome {
     wrong: usize,
 }
 
-fn run(name: &str, track_writes: bool) -> Outcome {
+/// Runs the steps; `None` where tracking was asked for and the kernel cannot track writes.
+fn run(name: &str, track_writes: bool) -> Option<Outcome> {
     let dir = scratch(name);
     let mut cfg = config(&dir, QUOTA);
     // What is tested is the CLOCK sweep's (placement's queues do not read writes).
     cfg.policy = EvictionPolicy::Sweep;
     cfg.track_writes = track_writes;
     let e: &Engine = start(&cfg);
+    if e.tracks_writes() != track_writes {
+        return None;
+    }
     let base = e.alloc(PAGES * PAGE, PAGE).unwrap();
     let word = |i: usize| (base + i * PAGE) as *mut u64;
     for i in 0..PAGES {
@@ -67,18 +71,23 @@ fn run(name: &str, track_writes: bool) -> Outcome {
         wrong += (unsafe { word(i).read_volatile() } != stamp(i, r)) as usize;
     }
     let s1 = e.snapshot();
-    Outcome {
+    e.audit()
+        .unwrap_or_else(|err| panic!("{name}: the page table agrees with the hardware one: {err}"));
+    Some(Outcome {
         hint_faults: s1.faults_inactive - s0.faults_inactive,
         seen_written: s1.pages_seen_written - s0.pages_seen_written,
         tier_faults: s1.faults_tier - s0.faults_tier,
         wrong,
-    }
+    })
 }
 
 #[test]
 fn pages_the_program_writes_keep_their_place_without_a_hint_fault() {
-    let off = run("written-off", false);
-    let on = run("written-on", true);
+    let off = run("written-off", false).expect("tracking can always be off");
+    let Some(on) = run("written-on", true) else {
+        eprintln!("skipped: this kernel cannot track writes (UFFD_FEATURE_WP_ASYNC, Linux 6.7)");
+        return;
+    };
     for (what, o) in [("tracking off", &off), ("tracking on", &on)] {
         eprintln!(
             "{what}: {} hint faults, {} pages found written, {} tier faults",

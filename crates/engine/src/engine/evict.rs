@@ -709,9 +709,10 @@ impl SweepPages for Candidates<'_> {
     }
 
     fn candidate(&mut self, i: usize) -> Option<Activeness> {
-        if !self.scanned.pages.contains(&i) {
+        if !self.scanned.pages.contains(&i) || i < self.scanned.last {
             self.scanned.read(self.engine, i, self.extent);
         }
+        self.scanned.last = i;
         if self.scanned.was_written(i) {
             // Found in use without a test: it keeps its place on this pass.
             return None;
@@ -759,6 +760,9 @@ pub(super) struct Sweeping {
 struct Written {
     pages: std::ops::Range<usize>,
     bits: [u64; WRITE_SCAN_PAGES / 64],
+    /// The page the hand asked about last: one before it means the hand went round, and the
+    /// window is read again (it may be all there is).
+    last: usize,
 }
 
 impl Written {
@@ -766,11 +770,12 @@ impl Written {
         Written {
             pages: 0..0,
             bits: [0; WRITE_SCAN_PAGES / 64],
+            last: 0,
         }
     }
 
     /// Reads the writes of the pages from `at` on (at most [`WRITE_SCAN_PAGES`]), which the
-    /// hand passes next, and of those half of `extent` ahead of them.
+    /// hand passes next, and of those a quarter, a half and three quarters of `extent` ahead.
     fn read(&mut self, engine: &Engine, at: usize, extent: usize) {
         let pages = at..(at + WRITE_SCAN_PAGES).min(extent);
         self.pages = pages.clone();
@@ -783,11 +788,9 @@ impl Written {
         Self::look(engine, pages.clone(), |p, written| {
             let w = engine.pt.load(p);
             let in_use = (written && w.swept()) || w.wrote();
-            engine.pt.set_swept(p, false);
-            if in_use {
+            if engine.pt.sweep_read(p, false, in_use) && in_use {
                 let k = p - pages.start;
                 bits[k / 64] |= 1 << (k % 64);
-                engine.pt.prove(p);
                 seen += 1;
             }
         });
@@ -798,7 +801,9 @@ impl Written {
                 ahead..(ahead + WRITE_SCAN_PAGES).min(extent),
                 |p, written| {
                     let w = engine.pt.load(p);
-                    engine.pt.set_swept(p, w.wrote() || (written && w.swept()));
+                    engine
+                        .pt
+                        .sweep_read(p, w.wrote() || (written && w.swept()), false);
                 },
             );
         }

@@ -277,7 +277,11 @@ impl Engine {
         if cfg.dram_bytes < (ZERO_CHUNK * PAGE_SIZE) as u64 {
             return Err(StartError::QuotaTooSmall);
         }
-        let uffd = Uffd::open(cfg.faults, cfg.track_writes)?;
+        // Only the CLOCK sweep reads writes: placement would pay for protection it never uses.
+        let uffd = Uffd::open(
+            cfg.faults,
+            cfg.track_writes && cfg.policy == EvictionPolicy::Sweep,
+        )?;
         let (mut tier, tier_note) = tier::best(FileTier::create(&cfg.tier_path)?);
         if let Some(faults) = &cfg.tier_faults {
             tier = Box::new(Faulty::new(tier, faults.clone()));
@@ -617,6 +621,12 @@ impl Engine {
     // ----- reporting -----
 
     /// The counters now.
+    /// Whether the CLOCK sweep sees which pages were written ([`Config::track_writes`], where
+    /// the kernel can tell).
+    pub fn tracks_writes(&self) -> bool {
+        self.uffd.tracks_writes()
+    }
+
     pub fn snapshot(&self) -> Snapshot {
         let _inside = self.gate.enter();
         let c = &self.counters;
