@@ -92,9 +92,13 @@ fn compressible_pages_fill_the_pool_within_the_quota_and_spill_to_the_file() {
         s.compressed_pool_bytes <= s.compressed_capacity_bytes,
         "{s:?}"
     );
+    // LZ4 makes about 2:1 of these pages; the pool's chunks hold them at better than 1.2:1
+    // even just after a write-back has emptied part of them (it frees objects one by one).
+    let lz4 = (s.compressed_pages * 4096) as f64 / s.compressed_data_bytes.max(1) as f64;
+    assert!(lz4 > 1.7, "2:1 pages: LZ4 made {lz4:.2}:1 of them: {s:?}");
     assert!(
-        s.compression_ratio() > 1.7,
-        "2:1 pages: ratio {}: {s:?}",
+        s.compression_ratio() > 1.2,
+        "2:1 pages: the pool holds them at {}: {s:?}",
         s.compression_ratio()
     );
     assert!(s.peak_dram_bytes <= quota + (2 << 20), "{s:?}");
