@@ -7,23 +7,13 @@ use memtide_engine::Engine;
 
 mod common;
 
-use common::{file_only, Rng, PAGE};
+use common::{file_only, read_stamp, stamp, write_stamp, Rng, PAGE};
 
 /// 4 MiB of DRAM under a block of 64 MiB: almost every page read comes from tier 1.
 const QUOTA: u64 = 4 << 20;
 const PAGES: usize = 16 << 10;
 /// Reads per phase.
 const READS: u64 = 3000;
-
-fn stamp(i: usize) -> u64 {
-    (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1
-}
-
-/// Reads page `i`'s stamp (its last word, where a value that starts on the page before ends).
-fn read(base: usize, i: usize) -> u64 {
-    // SAFETY: the block is managed memory we own.
-    unsafe { ((base + i * PAGE + PAGE - 8) as *const u64).read_volatile() }
-}
 
 /// Tier faults, pages read ahead, and of those pages read as the next page of a pair, while
 /// `f` runs.
@@ -44,13 +34,12 @@ fn objects_spanning_two_pages_are_read_in_one_fault() {
     let (e, _dir) = file_only("pairs", QUOTA);
     let base = e.alloc(PAGES * PAGE, PAGE).unwrap();
     for i in 0..PAGES {
-        // SAFETY: managed memory we own.
-        unsafe { ((base + i * PAGE + PAGE - 8) as *mut u64).write_volatile(stamp(i)) };
+        write_stamp(base, i);
     }
     let mut rng = Rng(0x5EED);
     let mut wrong = 0;
     let mut check = |i: usize| {
-        if read(base, i) != stamp(i) {
+        if read_stamp(base, i) != stamp(i) {
             wrong += 1;
         }
     };

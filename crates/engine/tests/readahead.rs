@@ -9,7 +9,7 @@ use memtide_policy::ahead::{readahead_window, READAHEAD};
 
 mod common;
 
-use common::{file_only, Rng, PAGE};
+use common::{file_only, read_stamp, stamp, write_stamp, Rng, PAGE};
 
 /// 4 MiB of DRAM under a block of 64 MiB: almost every page lives in tier 1.
 const QUOTA: u64 = 4 << 20;
@@ -18,10 +18,6 @@ const PAGES: usize = 16 << 10;
 const START: usize = 8 << 10;
 const RUN: usize = 49;
 
-fn stamp(i: usize) -> u64 {
-    (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1
-}
-
 /// Whether page `i` is mapped (mincore), without touching it.
 fn resident(base: usize, i: usize) -> bool {
     let mut v = 0u8;
@@ -29,11 +25,6 @@ fn resident(base: usize, i: usize) -> bool {
     let r = unsafe { libc::mincore((base + i * PAGE) as *mut libc::c_void, PAGE, &mut v) };
     assert_eq!(r, 0, "mincore");
     v & 1 != 0
-}
-
-fn read(base: usize, i: usize) -> u64 {
-    // SAFETY: the block is managed memory we own.
-    unsafe { ((base + i * PAGE + PAGE - 8) as *const u64).read_volatile() }
 }
 
 /// Reads `n` random pages of the block's first quarter, never two neighbours in a row (no
@@ -49,7 +40,7 @@ fn push_out(base: usize, rng: &mut Rng, n: usize) -> usize {
                 break i;
             }
         };
-        wrong += (read(base, i) != stamp(i)) as usize;
+        wrong += (read_stamp(base, i) != stamp(i)) as usize;
         last = i;
     }
     wrong
@@ -75,8 +66,7 @@ fn pages_read_ahead_and_never_touched_cost_no_write_and_stay_right() {
     let e: &Engine = e;
     let base = e.alloc(PAGES * PAGE, PAGE).unwrap();
     for i in 0..PAGES {
-        // SAFETY: managed memory we own.
-        unsafe { ((base + i * PAGE + PAGE - 8) as *mut u64).write_volatile(stamp(i)) };
+        write_stamp(base, i);
     }
     let mut rng = Rng(0xA4EAD);
     // Everything written is in tier 1 now, or gets there as the block's first quarter is read.
@@ -85,7 +75,7 @@ fn pages_read_ahead_and_never_touched_cost_no_write_and_stay_right() {
     let s0 = e.snapshot();
     let mut wrong = 0;
     for i in START..START + RUN {
-        wrong += (read(base, i) != stamp(i)) as usize;
+        wrong += (read_stamp(base, i) != stamp(i)) as usize;
     }
     let s1 = e.snapshot();
     // What is mapped past the run now came in ahead of it: nothing else touched those pages.
@@ -139,7 +129,7 @@ fn pages_read_ahead_and_never_touched_cost_no_write_and_stay_right() {
     let f0 = e.snapshot().faults_tier;
     let mut wrong = 0;
     for i in (START + RUN..START + RUN + beyond).rev() {
-        wrong += (read(base, i) != stamp(i)) as usize;
+        wrong += (read_stamp(base, i) != stamp(i)) as usize;
     }
     let f1 = e.snapshot().faults_tier;
     assert_eq!(

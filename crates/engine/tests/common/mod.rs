@@ -12,6 +12,24 @@ use memtide_engine::{Config, Engine};
 
 pub const PAGE: usize = 4096;
 
+/// Page `i`'s stamp, for the tests that check each page by one word (pairs, readahead).
+pub fn stamp(i: usize) -> u64 {
+    (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1
+}
+
+/// Writes page `i`'s stamp into its last word (where a value that starts on the page before
+/// ends) in the managed block at `base`.
+pub fn write_stamp(base: usize, i: usize) {
+    // SAFETY: the caller's block is managed memory it owns.
+    unsafe { ((base + i * PAGE + PAGE - 8) as *mut u64).write_volatile(stamp(i)) };
+}
+
+/// Reads page `i`'s last word in the managed block at `base`.
+pub fn read_stamp(base: usize, i: usize) -> u64 {
+    // SAFETY: as in write_stamp.
+    unsafe { ((base + i * PAGE + PAGE - 8) as *const u64).read_volatile() }
+}
+
 /// A tier directory removed when the test ends.
 pub struct Scratch(pub PathBuf);
 
