@@ -371,6 +371,12 @@ pub struct Snapshot {
     pub tier_errors: u64,
     #[serde(default)]
     pub tier_read_mismatches: u64,
+    /// Tier reads whose completion the faulting thread saw by polling, and reads it slept for
+    /// (see `Config::poll_reads`).
+    #[serde(default)]
+    pub tier_reads_polled: u64,
+    #[serde(default)]
+    pub tier_reads_slept: u64,
     pub tier_read_latency_p50_us: f64,
     pub tier_read_latency_p99_us: f64,
     pub fault_tier_latency_p50_us: f64,

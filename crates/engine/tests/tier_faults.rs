@@ -185,7 +185,7 @@ fn a_lasting_wrong_read_stops_the_program_naming_the_page() {
 #[test]
 fn a_ring_that_lost_a_read_is_never_used_again() {
     let dir = scratch("uring-lost");
-    let Ok(tier) = UringTier::new(FileTier::create(&dir.0).unwrap()) else {
+    let Ok(tier) = UringTier::new(FileTier::create(&dir.0).unwrap(), true) else {
         panic!("io_uring is available on these machines");
     };
     let pages: Vec<Vec<u8>> = (0..8u8)
@@ -246,7 +246,7 @@ fn a_ring_that_lost_a_read_is_never_used_again() {
 #[test]
 fn a_short_read_is_an_error_and_allocates_nothing() {
     let dir = scratch("uring-short");
-    let Ok(tier) = UringTier::new(FileTier::create(&dir.0).unwrap()) else {
+    let Ok(tier) = UringTier::new(FileTier::create(&dir.0).unwrap(), true) else {
         panic!("io_uring is available on these machines");
     };
     tier.grow(1).unwrap();
@@ -361,7 +361,7 @@ fn a_tier_filesystem_that_fills_up_mid_run_keeps_data_in_dram_and_resumes_when_f
 #[test]
 fn writes_a_lost_ring_still_held_land_before_their_pages_are_reused() {
     let dir = scratch("uring-lost-write");
-    let Ok(uring) = UringTier::new(FileTier::create(&dir.0).unwrap()) else {
+    let Ok(uring) = UringTier::new(FileTier::create(&dir.0).unwrap(), true) else {
         panic!("io_uring is available on these machines");
     };
     uring.inject_lost_write(300);

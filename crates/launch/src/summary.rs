@@ -165,8 +165,17 @@ pub fn print(program: &str, status: &str, c: &Collected) {
         );
     }
     let lat = if s.faults_tier > 0 {
+        let waited = s.tier_reads_polled + s.tier_reads_slept;
+        let polled = if waited > 0 {
+            format!(
+                "; {:.0}% of reads polled",
+                100.0 * s.tier_reads_polled as f64 / waited as f64
+            )
+        } else {
+            String::new()
+        };
         format!(
-            " (fault p50 {:.0} µs, p99 {:.0} µs; device read p50 {:.0} µs, p99 {:.0} µs: {})",
+            " (fault p50 {:.0} µs, p99 {:.0} µs; device read p50 {:.0} µs, p99 {:.0} µs: {}{polled})",
             s.fault_tier_latency_p50_us,
             s.fault_tier_latency_p99_us,
             s.tier_read_latency_p50_us,

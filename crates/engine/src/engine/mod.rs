@@ -121,6 +121,10 @@ pub struct Config {
     /// writes keeps its place without being unmapped to prove it. On by default;
     /// `MEMTIDE_TRACK_WRITES=0` turns it off.
     pub track_writes: bool,
+    /// Let a fault poll for its tier read's completion before sleeping (about twice the
+    /// device's usual read time, only while nothing else wants the CPU: see
+    /// `tier::uring::ReadPoll`). On by default; `MEMTIDE_POLL_READS=0` turns it off.
+    pub poll_reads: bool,
     /// How pages are compressed into the pool in DRAM before the file (LZ4 by default; `Off`:
     /// no compressed level).
     pub compress: Compress,
@@ -149,6 +153,7 @@ impl Config {
             encrypt_tier: false,
             policy: EvictionPolicy::Sweep,
             track_writes: true,
+            poll_reads: true,
             compress: Compress::Lz4,
             compressed_max_bytes: None,
             record: None,
@@ -282,7 +287,7 @@ impl Engine {
             cfg.faults,
             cfg.track_writes && cfg.policy == EvictionPolicy::Sweep,
         )?;
-        let (mut tier, tier_note) = tier::best(FileTier::create(&cfg.tier_path)?);
+        let (mut tier, tier_note) = tier::best(FileTier::create(&cfg.tier_path)?, cfg.poll_reads);
         if let Some(faults) = &cfg.tier_faults {
             tier = Box::new(Faulty::new(tier, faults.clone()));
         }
@@ -707,6 +712,8 @@ impl Engine {
             tier_write_ops: r(&c.tier_write_ops),
             tier_errors: r(&c.tier_errors),
             tier_read_mismatches: r(&c.tier_read_mismatches),
+            tier_reads_polled: self.file.backend.reads_polled().0,
+            tier_reads_slept: self.file.backend.reads_polled().1,
             tier_read_latency_p50_us: c.tier_read_latency.quantile_us(0.5),
             tier_read_latency_p99_us: c.tier_read_latency.quantile_us(0.99),
             fault_tier_latency_p50_us: c.fault_tier_latency.quantile_us(0.5),

@@ -192,6 +192,10 @@ impl Backend for Encrypted {
         self.inner.forked();
     }
 
+    fn reads_polled(&self) -> (u64, u64) {
+        self.inner.reads_polled()
+    }
+
     fn describe(&self) -> String {
         format!(
             "{}, encrypted (AES-256-GCM, key in memory only)",

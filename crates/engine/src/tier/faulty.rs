@@ -110,6 +110,10 @@ impl Backend for Faulty {
         self.inner.forked();
     }
 
+    fn reads_polled(&self) -> (u64, u64) {
+        self.inner.reads_polled()
+    }
+
     fn describe(&self) -> String {
         format!("{} (with injected faults)", self.inner.describe())
     }

@@ -84,6 +84,12 @@ pub trait Backend: Send + Sync {
     /// Human-readable description for the summary.
     fn describe(&self) -> String;
 
+    /// Reads whose completion the waiting thread saw by polling, and reads it slept for, so
+    /// far (a backend that never polls: all zero).
+    fn reads_polled(&self) -> (u64, u64) {
+        (0, 0)
+    }
+
     /// In a forked child, before any I/O: whatever the backend holds that cannot be shared
     /// with the parent (io_uring rings) is made afresh. The file itself is shared: both
     /// processes read and write it at the slots they hold.

@@ -5,6 +5,12 @@
 //! unavailable (an old kernel, `kernel.io_uring_disabled`, a seccomp filter), the engine keeps
 //! the plain `pread`/`pwritev` backend and says so. Entry point: [`UringTier::new`].
 //!
+//! A fault's read is waited for by polling its completion, for about twice the device's usual
+//! read time, before sleeping ([`ReadPoll`]): sleeping lets the CPU halt, and on a virtual
+//! machine waking a halted CPU costs about a fifth of a 50 µs read, more when the device's
+//! interrupt lands on another CPU than the waiting thread's (BENCHMARKS.md, "Waiting for a
+//! tier read"). A thread that finds its CPU wanted by another stops polling and sleeps.
+//!
 //! # Invariants
 //!
 //! - A ring is handed back only when none of its requests can still complete: a read ring
@@ -19,6 +25,7 @@
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::time::Duration;
 
 use io_uring::{opcode, squeue, types, IoUring};
 
@@ -45,6 +52,85 @@ struct ReadRing {
 // try-lock), so it is never shared between threads at the same time.
 unsafe impl Sync for ReadRing {}
 
+/// The longest a fault polls for its read before sleeping. A device whose usual read takes
+/// longer than half of this is waited for by sleeping only: polling it would burn more CPU
+/// than the wake-up it saves.
+const POLL_MAX: Duration = Duration::from_micros(150);
+/// A gap this long between two looks at the completion queue is an interrupt or another
+/// thread taking the CPU. If the thread was preempted, the poller stops and sleeps, so that
+/// it never takes a CPU something else wants.
+const POLL_GAP: Duration = Duration::from_micros(10);
+/// Reads waited for by sleeping after a poll was preempted, before polling again.
+const POLL_BACKOFF: u32 = 64;
+
+/// The calling thread's involuntary context switches so far.
+fn involuntary_switches() -> i64 {
+    // SAFETY: rusage is plain data; getrusage fills it.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid out-pointer for the calling thread's usage.
+    unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut u) };
+    u.ru_nivcsw
+}
+
+/// How a fault waits for its read: it polls the completion queue for up to twice the usual
+/// read time (an average of recent reads), while nothing else wants its CPU.
+pub struct ReadPoll {
+    on: bool,
+    /// Recent reads' time from submission to completion, an exponential average in ns.
+    usual_ns: AtomicU64,
+    /// Reads left to sleep on before polling again (after a poll was preempted).
+    backoff: AtomicU32,
+    /// Reads whose completion the poll saw, and reads waited for by sleeping.
+    polled: AtomicU64,
+    slept: AtomicU64,
+}
+
+impl ReadPoll {
+    fn new(on: bool) -> ReadPoll {
+        ReadPoll {
+            on,
+            usual_ns: AtomicU64::new(0),
+            backoff: AtomicU32::new(0),
+            polled: AtomicU64::new(0),
+            slept: AtomicU64::new(0),
+        }
+    }
+
+    /// How long the next read may be polled for, in ns (0: sleep at once).
+    fn budget_ns(&self) -> u64 {
+        if !self.on {
+            return 0;
+        }
+        if self.backoff.load(Ordering::Relaxed) > 0 {
+            let _ = self
+                .backoff
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+            return 0;
+        }
+        let usual = self.usual_ns.load(Ordering::Relaxed);
+        let max = POLL_MAX.as_nanos() as u64;
+        match usual {
+            // No read measured yet: poll the longest.
+            0 => max,
+            u if 2 * u > max => 0,
+            u => 2 * u,
+        }
+    }
+
+    /// A read took `ns` from submission to its waiter seeing the completion (polled or
+    /// woken: every read counts, so a device that speeds up is polled again).
+    fn took(&self, ns: u64) {
+        let old = self.usual_ns.load(Ordering::Relaxed);
+        let new = if old == 0 { ns } else { old - old / 8 + ns / 8 };
+        self.usual_ns.store(new, Ordering::Relaxed);
+    }
+
+    /// A poll was preempted: sleep on the next reads.
+    fn preempted(&self) {
+        self.backoff.store(POLL_BACKOFF, Ordering::Relaxed);
+    }
+}
+
 /// The tier file, with I/O through io_uring.
 pub struct UringTier {
     file: FileTier,
@@ -55,6 +141,7 @@ pub struct UringTier {
     read_rings: Vec<ReadRing>,
     /// Ids for reads.
     next_id: AtomicU64,
+    poll: ReadPoll,
     /// Fault injection for tests: the next N read waits fail after submitting, with the read
     /// in flight (as a failing `io_uring_enter` leaves it).
     lose_waits: AtomicU32,
@@ -65,7 +152,9 @@ pub struct UringTier {
 
 impl UringTier {
     /// Sets up the rings on `file`, or gives the file back with the reason io_uring is unusable.
-    pub fn new(file: FileTier) -> Result<UringTier, (FileTier, io::Error)> {
+    /// With `poll_reads`, a fault polls for its read's completion before sleeping
+    /// ([`ReadPoll`]).
+    pub fn new(file: FileTier, poll_reads: bool) -> Result<UringTier, (FileTier, io::Error)> {
         let write_ring = match IoUring::new(64).and_then(fds::lift_ring) {
             Ok(r) => r,
             Err(e) => return Err((file, e)),
@@ -87,6 +176,7 @@ impl UringTier {
             write_ring_broken: AtomicBool::new(false),
             read_rings,
             next_id: AtomicU64::new(1),
+            poll: ReadPoll::new(poll_reads),
             lose_waits: AtomicU32::new(0),
             lose_write_ms: AtomicU64::new(0),
         })
@@ -119,6 +209,7 @@ impl UringTier {
         id: u64,
         len: usize,
     ) -> Result<io::Result<()>, io::Error> {
+        let t0 = crate::sys::now_ns();
         loop {
             if self.lose_waits.load(Ordering::Relaxed) > 0
                 && self
@@ -129,10 +220,15 @@ impl UringTier {
                 ring.submit()?;
                 return Err(io::Error::from_raw_os_error(libc::EIO));
             }
-            match ring.submit_and_wait(1) {
-                Ok(_) => {}
-                Err(e) if transient(&e) => continue,
-                Err(e) => return Err(e),
+            if self.poll_read(ring)? {
+                self.poll.polled.fetch_add(1, Ordering::Relaxed);
+            } else {
+                self.poll.slept.fetch_add(1, Ordering::Relaxed);
+                match ring.submit_and_wait(1) {
+                    Ok(_) => {}
+                    Err(e) if transient(&e) => continue,
+                    Err(e) => return Err(e),
+                }
             }
             for cqe in ring.completion() {
                 if cqe.user_data() != id {
@@ -140,6 +236,7 @@ impl UringTier {
                     // handed back, but a completion is only ever taken by its own request).
                     continue;
                 }
+                self.poll.took(crate::sys::now_ns() - t0);
                 let r = cqe.result();
                 return Ok(if r < 0 {
                     Err(io::Error::from_raw_os_error(-r))
@@ -150,6 +247,56 @@ impl UringTier {
                 });
             }
         }
+    }
+
+    /// Submits what `ring` holds and polls its completion queue for up to the poll budget:
+    /// whether a completion arrived (else the caller sleeps for it). The kernel posts a read's
+    /// completion through this thread's task work, which the interrupt of the device's
+    /// completion makes it run, polling or not.
+    fn poll_read(&self, ring: &mut IoUring) -> io::Result<bool> {
+        let budget = self.poll.budget_ns();
+        if budget == 0 {
+            return Ok(false);
+        }
+        loop {
+            match ring.submit() {
+                Ok(_) => break,
+                Err(e) if transient(&e) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        let t0 = crate::sys::now_ns();
+        let mut last = t0;
+        // This thread's involuntary context switches when the poll started, read only once a
+        // gap is seen.
+        let mut preempts = None;
+        loop {
+            if !ring.completion().is_empty() {
+                return Ok(true);
+            }
+            let now = crate::sys::now_ns();
+            if now - last > POLL_GAP.as_nanos() as u64 {
+                // An interrupt, or another thread had the CPU: only the latter stops the poll.
+                let switches = *preempts.get_or_insert_with(involuntary_switches);
+                if involuntary_switches() != switches {
+                    self.poll.preempted();
+                    return Ok(false);
+                }
+            }
+            if now - t0 > budget {
+                return Ok(false);
+            }
+            last = now;
+            std::hint::spin_loop();
+        }
+    }
+
+    /// Reads whose completion a poll saw, and reads waited for by sleeping, so far.
+    pub fn reads_polled(&self) -> (u64, u64) {
+        (
+            self.poll.polled.load(Ordering::Relaxed),
+            self.poll.slept.load(Ordering::Relaxed),
+        )
     }
 
     fn fd(&self) -> types::Fd {
@@ -332,6 +479,10 @@ impl Backend for UringTier {
     fn describe(&self) -> String {
         format!("{} via io_uring", self.file.describe())
     }
+
+    fn reads_polled(&self) -> (u64, u64) {
+        UringTier::reads_polled(self)
+    }
 }
 
 impl UringTier {
@@ -407,15 +558,15 @@ impl UringTier {
 }
 
 /// The best backend for a tier file: io_uring where the kernel allows it, else plain system
-/// calls, with a note saying why.
-pub fn best(file: FileTier) -> (Box<dyn Backend>, Option<String>) {
+/// calls, with a note saying why. `poll_reads`: see [`UringTier::new`].
+pub fn best(file: FileTier, poll_reads: bool) -> (Box<dyn Backend>, Option<String>) {
     if std::env::var_os("MEMTIDE_NO_IO_URING").is_some() {
         return (
             Box::new(file),
             Some("io_uring disabled by MEMTIDE_NO_IO_URING; tier 1 uses pread/pwritev".into()),
         );
     }
-    match UringTier::new(file) {
+    match UringTier::new(file, poll_reads) {
         Ok(u) => (Box::new(u), None),
         Err((file, e)) => (
             Box::new(file),
@@ -423,5 +574,45 @@ pub fn best(file: FileTier) -> (Box<dyn Backend>, Option<String>) {
                 "io_uring is unavailable ({e}); tier 1 uses pread/pwritev"
             )),
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_are_polled_for_twice_the_usual_read_while_that_is_short() {
+        assert_eq!(ReadPoll::new(false).budget_ns(), 0, "off: never polled");
+        let p = ReadPoll::new(true);
+        assert_eq!(
+            p.budget_ns(),
+            POLL_MAX.as_nanos() as u64,
+            "before any read: the longest poll"
+        );
+        for _ in 0..64 {
+            p.took(40_000);
+        }
+        let near = |b: u64, want: u64| b.abs_diff(want) <= want / 20;
+        assert!(
+            near(p.budget_ns(), 80_000),
+            "twice a 40 µs device's usual read"
+        );
+        for _ in 0..64 {
+            p.took(100_000);
+        }
+        assert_eq!(p.budget_ns(), 0, "a 100 µs device is not polled");
+        for _ in 0..64 {
+            p.took(30_000);
+        }
+        assert!(
+            near(p.budget_ns(), 60_000),
+            "polled again once it speeds up"
+        );
+        p.preempted();
+        for k in 0..POLL_BACKOFF {
+            assert_eq!(p.budget_ns(), 0, "read {k} after a preempted poll sleeps");
+        }
+        assert!(near(p.budget_ns(), 60_000), "then polls again");
     }
 }

@@ -1,0 +1,95 @@
+//! A fault waits for its tier read by polling the read's completion before sleeping, where
+//! the device answers fast (its usual read well under the poll's limit, as these machines'
+//! disks do): the reads are counted as polled, and every page read back holds its stamp. With
+//! polling off, the same reads are all waited for by sleeping.
+
+use memtide_engine::{Compress, Engine};
+
+mod common;
+
+use common::{config, scratch, start, Rng, PAGE};
+
+/// 8 MiB of DRAM under a block of 32 MiB: most random reads go to the file.
+const QUOTA: u64 = 8 << 20;
+const PAGES: usize = 8 << 10;
+const READS: usize = 4000;
+/// A device whose usual read is under this is fast enough to poll (half the poll's limit,
+/// 150 µs, with a margin).
+const FAST_US: f64 = 60.0;
+
+fn stamp(i: usize) -> u64 {
+    (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1
+}
+
+struct Outcome {
+    polled: u64,
+    slept: u64,
+    tier_faults: u64,
+    read_p50_us: f64,
+    wrong: usize,
+}
+
+fn run(name: &str, poll_reads: bool) -> Outcome {
+    let dir = scratch(name);
+    let mut cfg = config(&dir, QUOTA);
+    cfg.compress = Compress::Off;
+    cfg.poll_reads = poll_reads;
+    let e: &Engine = start(&cfg);
+    let base = e.alloc(PAGES * PAGE, PAGE).unwrap();
+    let word = |i: usize| (base + i * PAGE) as *mut u64;
+    for i in 0..PAGES {
+        // SAFETY: managed memory we own.
+        unsafe { word(i).write_volatile(stamp(i)) };
+    }
+    let s0 = e.snapshot();
+    let mut rng = Rng(0xFEED);
+    let mut wrong = 0;
+    for _ in 0..READS {
+        let i = rng.below(PAGES);
+        // SAFETY: as above.
+        wrong += (unsafe { word(i).read_volatile() } != stamp(i)) as usize;
+    }
+    let s1 = e.snapshot();
+    Outcome {
+        polled: s1.tier_reads_polled - s0.tier_reads_polled,
+        slept: s1.tier_reads_slept - s0.tier_reads_slept,
+        tier_faults: s1.faults_tier - s0.faults_tier,
+        read_p50_us: s1.tier_read_latency_p50_us,
+        wrong,
+    }
+}
+
+#[test]
+fn a_fast_device_s_reads_are_polled_and_read_back_right() {
+    let off = run("polled-off", false);
+    let on = run("polled-on", true);
+    for (what, o) in [("polling off", &off), ("polling on", &on)] {
+        eprintln!(
+            "{what}: {} tier faults, {} reads polled, {} slept for, device read p50 {:.0} µs",
+            o.tier_faults, o.polled, o.slept, o.read_p50_us
+        );
+        assert_eq!(o.wrong, 0, "{what}: every page read back its stamp");
+        assert!(
+            o.tier_faults > READS as u64 / 2,
+            "{what}: the reads came from the file"
+        );
+    }
+    assert_eq!(off.polled, 0, "nothing is polled with polling off");
+    assert!(
+        off.slept >= off.tier_faults / 2,
+        "with polling off the reads are slept for"
+    );
+    if on.read_p50_us >= FAST_US {
+        eprintln!(
+            "not asserted: this device's reads (p50 {:.0} µs) are too slow to poll",
+            on.read_p50_us
+        );
+        return;
+    }
+    assert!(
+        on.polled * 2 > on.polled + on.slept,
+        "most reads of a fast device are polled: {} of {}",
+        on.polled,
+        on.polled + on.slept
+    );
+}
