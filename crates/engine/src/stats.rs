@@ -371,8 +371,9 @@ pub struct Snapshot {
     pub tier_errors: u64,
     #[serde(default)]
     pub tier_read_mismatches: u64,
-    /// Tier reads whose completion the faulting thread saw by polling, and reads it slept for
-    /// (see `Config::poll_reads`).
+    /// Tier reads whose completion the waiting thread (a handler thread, or the faulting one
+    /// with `--faults signal`) saw by polling, and reads it slept for (see
+    /// `Config::poll_reads`).
     #[serde(default)]
     pub tier_reads_polled: u64,
     #[serde(default)]

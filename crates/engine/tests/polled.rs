@@ -13,7 +13,7 @@ use common::{config, scratch, start, Rng, PAGE};
 const QUOTA: u64 = 8 << 20;
 const PAGES: usize = 8 << 10;
 const READS: usize = 4000;
-/// A device whose usual read is under this is fast enough to poll (half the poll's limit,
+/// A device whose mean read is under this is fast enough to poll (half the poll's limit,
 /// 150 µs, with a margin).
 const FAST_US: f64 = 60.0;
 
@@ -25,7 +25,9 @@ struct Outcome {
     polled: u64,
     slept: u64,
     tier_faults: u64,
-    read_p50_us: f64,
+    /// The mean device read while the reads ran: what the engine's average of recent reads,
+    /// which decides whether to poll, follows.
+    read_mean_us: f64,
     wrong: usize,
 }
 
@@ -50,11 +52,14 @@ fn run(name: &str, poll_reads: bool) -> Outcome {
         wrong += (unsafe { word(i).read_volatile() } != stamp(i)) as usize;
     }
     let s1 = e.snapshot();
+    let reads =
+        |s: &memtide_engine::Snapshot| s.tier_read_latency_buckets.last().map_or(0, |b| b.1);
+    let n = (reads(&s1) - reads(&s0)).max(1);
     Outcome {
         polled: s1.tier_reads_polled - s0.tier_reads_polled,
         slept: s1.tier_reads_slept - s0.tier_reads_slept,
         tier_faults: s1.faults_tier - s0.faults_tier,
-        read_p50_us: s1.tier_read_latency_p50_us,
+        read_mean_us: (s1.tier_read_latency_sum_us - s0.tier_read_latency_sum_us) / n as f64,
         wrong,
     }
 }
@@ -65,8 +70,8 @@ fn a_fast_device_s_reads_are_polled_and_read_back_right() {
     let on = run("polled-on", true);
     for (what, o) in [("polling off", &off), ("polling on", &on)] {
         eprintln!(
-            "{what}: {} tier faults, {} reads polled, {} slept for, device read p50 {:.0} µs",
-            o.tier_faults, o.polled, o.slept, o.read_p50_us
+            "{what}: {} tier faults, {} reads polled, {} slept for, device read mean {:.0} µs",
+            o.tier_faults, o.polled, o.slept, o.read_mean_us
         );
         assert_eq!(o.wrong, 0, "{what}: every page read back its stamp");
         assert!(
@@ -79,10 +84,10 @@ fn a_fast_device_s_reads_are_polled_and_read_back_right() {
         off.slept >= off.tier_faults / 2,
         "with polling off the reads are slept for"
     );
-    if on.read_p50_us >= FAST_US {
+    if on.read_mean_us >= FAST_US {
         eprintln!(
-            "not asserted: this device's reads (p50 {:.0} µs) are too slow to poll",
-            on.read_p50_us
+            "not asserted: this device's reads (mean {:.0} µs) are too slow to poll",
+            on.read_mean_us
         );
         return;
     }

@@ -121,8 +121,8 @@ pub struct Config {
     /// writes keeps its place without being unmapped to prove it. On by default;
     /// `MEMTIDE_TRACK_WRITES=0` turns it off.
     pub track_writes: bool,
-    /// Let a fault poll for its tier read's completion before sleeping (about twice the
-    /// device's usual read time, only while nothing else wants the CPU: see
+    /// Let a fault poll for its tier read's completion before sleeping (up to twice the
+    /// device's usual read time; after a poll was preempted, the next reads sleep: see
     /// `tier::uring::ReadPoll`). On by default; `MEMTIDE_POLL_READS=0` turns it off.
     pub poll_reads: bool,
     /// How pages are compressed into the pool in DRAM before the file (LZ4 by default; `Off`:

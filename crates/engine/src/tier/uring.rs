@@ -9,7 +9,8 @@
 //! read time, before sleeping ([`ReadPoll`]): sleeping lets the CPU halt, and on a virtual
 //! machine waking a halted CPU costs about a fifth of a 50 µs read, more when the device's
 //! interrupt lands on another CPU than the waiting thread's (BENCHMARKS.md, "Waiting for a
-//! tier read"). A thread that finds its CPU wanted by another stops polling and sleeps.
+//! tier read"). A thread that finds it was preempted while polling (another thread wanted its
+//! CPU) stops polling and sleeps, and sleeps on the next reads too.
 //!
 //! # Invariants
 //!
@@ -57,8 +58,8 @@ unsafe impl Sync for ReadRing {}
 /// than the wake-up it saves.
 const POLL_MAX: Duration = Duration::from_micros(150);
 /// A gap this long between two looks at the completion queue is an interrupt or another
-/// thread taking the CPU. If the thread was preempted, the poller stops and sleeps, so that
-/// it never takes a CPU something else wants.
+/// thread taking the CPU. If the thread was preempted, the poller stops and sleeps: a CPU
+/// another thread wants goes back to it after at most one slice.
 const POLL_GAP: Duration = Duration::from_micros(10);
 /// Reads waited for by sleeping after a poll was preempted, before polling again.
 const POLL_BACKOFF: u32 = 64;
@@ -73,7 +74,7 @@ fn involuntary_switches() -> i64 {
 }
 
 /// How a fault waits for its read: it polls the completion queue for up to twice the usual
-/// read time (an average of recent reads), while nothing else wants its CPU.
+/// read time (an average of recent reads), and stops when it finds it was preempted.
 pub struct ReadPoll {
     on: bool,
     /// Recent reads' time from submission to completion, an exponential average in ns.
@@ -210,6 +211,9 @@ impl UringTier {
         len: usize,
     ) -> Result<io::Result<()>, io::Error> {
         let t0 = crate::sys::now_ns();
+        // Polled at most once per read, and counted once.
+        let mut budget = self.poll.budget_ns();
+        let mut counted = false;
         loop {
             if self.lose_waits.load(Ordering::Relaxed) > 0
                 && self
@@ -220,10 +224,18 @@ impl UringTier {
                 ring.submit()?;
                 return Err(io::Error::from_raw_os_error(libc::EIO));
             }
-            if self.poll_read(ring)? {
-                self.poll.polled.fetch_add(1, Ordering::Relaxed);
-            } else {
-                self.poll.slept.fetch_add(1, Ordering::Relaxed);
+            let polled = budget > 0 && self.poll_read(ring, budget)?;
+            budget = 0;
+            if !counted {
+                counted = true;
+                let n = if polled {
+                    &self.poll.polled
+                } else {
+                    &self.poll.slept
+                };
+                n.fetch_add(1, Ordering::Relaxed);
+            }
+            if !polled {
                 match ring.submit_and_wait(1) {
                     Ok(_) => {}
                     Err(e) if transient(&e) => continue,
@@ -249,15 +261,11 @@ impl UringTier {
         }
     }
 
-    /// Submits what `ring` holds and polls its completion queue for up to the poll budget:
+    /// Submits what `ring` holds and polls its completion queue for up to `budget` ns:
     /// whether a completion arrived (else the caller sleeps for it). The kernel posts a read's
     /// completion through this thread's task work, which the interrupt of the device's
     /// completion makes it run, polling or not.
-    fn poll_read(&self, ring: &mut IoUring) -> io::Result<bool> {
-        let budget = self.poll.budget_ns();
-        if budget == 0 {
-            return Ok(false);
-        }
+    fn poll_read(&self, ring: &mut IoUring, budget: u64) -> io::Result<bool> {
         loop {
             match ring.submit() {
                 Ok(_) => break,
@@ -265,23 +273,19 @@ impl UringTier {
                 Err(e) => return Err(e),
             }
         }
+        // This thread's involuntary context switches before the poll: a gap in the polling
+        // that came with one more was another thread taking the CPU, not an interrupt.
+        let switches = involuntary_switches();
         let t0 = crate::sys::now_ns();
         let mut last = t0;
-        // This thread's involuntary context switches when the poll started, read only once a
-        // gap is seen.
-        let mut preempts = None;
         loop {
             if !ring.completion().is_empty() {
                 return Ok(true);
             }
             let now = crate::sys::now_ns();
-            if now - last > POLL_GAP.as_nanos() as u64 {
-                // An interrupt, or another thread had the CPU: only the latter stops the poll.
-                let switches = *preempts.get_or_insert_with(involuntary_switches);
-                if involuntary_switches() != switches {
-                    self.poll.preempted();
-                    return Ok(false);
-                }
+            if now - last > POLL_GAP.as_nanos() as u64 && involuntary_switches() != switches {
+                self.poll.preempted();
+                return Ok(false);
             }
             if now - t0 > budget {
                 return Ok(false);
