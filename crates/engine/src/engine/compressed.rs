@@ -432,6 +432,11 @@ impl Engine {
                 io::Error::from_raw_os_error(libc::EFAULT)
             }),
         }
+        // Counted before the page is mapped, which wakes the faulting thread (as in
+        // `Engine::fetch`).
+        Counters::bump(&self.counters.faults_tier);
+        Counters::bump(&self.counters.faults_compressed);
+        Counters::bump(&self.counters.promotions);
         // SAFETY: buf holds the page; page p is ours (Busy) and missing.
         unsafe { self.fill(p, buf, 1, false, "mapping a decompressed page failed") };
         self.file.bounce.give(buf);
@@ -442,9 +447,6 @@ impl Engine {
             .publish(p, State::Mapped, Some(old.history().touch()));
         self.note(p, Event::TierFault);
         self.arrived(p);
-        Counters::bump(&self.counters.faults_tier);
-        Counters::bump(&self.counters.faults_compressed);
-        Counters::bump(&self.counters.promotions);
         self.counters
             .fault_compressed_latency
             .record(sys::now_ns() - t0);

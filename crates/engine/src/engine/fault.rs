@@ -569,6 +569,15 @@ impl Engine {
             by_slot_only as u64,
         );
         let (buf, n) = self.read_verified(p, slot, n);
+        // Counted before the pages are mapped: mapping wakes the faulting thread, and what it
+        // reads of the counters next must include its own fault.
+        Counters::bump(&self.counters.faults_tier);
+        Counters::add(&self.counters.promotions, n as u64);
+        Counters::add(&self.counters.readahead_pages, n as u64 - 1);
+        if pair {
+            Counters::add(&self.counters.readahead_pairs, n as u64 - 1);
+        }
+        Counters::add(&self.counters.tier_read_bytes, (n * PAGE_SIZE) as u64);
         // SAFETY: buf holds n pages just read; pages p..p+n are ours (Busy) and missing.
         unsafe { self.fill(p, buf, n, false, "mapping a fetched page failed") };
         self.file.bounce.give(buf);
@@ -587,13 +596,6 @@ impl Engine {
         for q in p..p + n {
             self.arrived(q);
         }
-        Counters::bump(&self.counters.faults_tier);
-        Counters::add(&self.counters.promotions, n as u64);
-        Counters::add(&self.counters.readahead_pages, n as u64 - 1);
-        if pair {
-            Counters::add(&self.counters.readahead_pairs, n as u64 - 1);
-        }
-        Counters::add(&self.counters.tier_read_bytes, (n * PAGE_SIZE) as u64);
         self.counters.fault_tier_latency.record(sys::now_ns() - t0);
         true
     }
