@@ -7,7 +7,7 @@ use memtide_engine::{Compress, Engine};
 
 mod common;
 
-use common::{config, scratch, start, Rng, PAGE};
+use common::{config, read_stamp, scratch, stamp, start, write_stamp, Rng, PAGE};
 
 /// 8 MiB of DRAM under a block of 32 MiB: most random reads go to the file.
 const QUOTA: u64 = 8 << 20;
@@ -16,10 +16,6 @@ const READS: usize = 4000;
 /// A device whose mean read is under this is fast enough to poll (half the poll's limit,
 /// 150 µs, with a margin).
 const FAST_US: f64 = 60.0;
-
-fn stamp(i: usize) -> u64 {
-    (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1
-}
 
 struct Outcome {
     polled: u64,
@@ -38,18 +34,15 @@ fn run(name: &str, poll_reads: bool) -> Outcome {
     cfg.poll_reads = poll_reads;
     let e: &Engine = start(&cfg);
     let base = e.alloc(PAGES * PAGE, PAGE).unwrap();
-    let word = |i: usize| (base + i * PAGE) as *mut u64;
     for i in 0..PAGES {
-        // SAFETY: managed memory we own.
-        unsafe { word(i).write_volatile(stamp(i)) };
+        write_stamp(base, i);
     }
     let s0 = e.snapshot();
     let mut rng = Rng(0xFEED);
     let mut wrong = 0;
     for _ in 0..READS {
         let i = rng.below(PAGES);
-        // SAFETY: as above.
-        wrong += (unsafe { word(i).read_volatile() } != stamp(i)) as usize;
+        wrong += (read_stamp(base, i) != stamp(i)) as usize;
     }
     let s1 = e.snapshot();
     let reads =

@@ -637,6 +637,7 @@ impl Engine {
         let c = &self.counters;
         let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let page = PAGE_SIZE as u64;
+        let (tier_reads_polled, tier_reads_slept) = self.file.backend.reads_polled();
         let (tier_pages, tier_file_pages, tier_limit_pages, tier_used_pages) = {
             let s = self.file.slots();
             (s.in_use(), s.len(), s.limit(), s.used_by_family())
@@ -712,8 +713,8 @@ impl Engine {
             tier_write_ops: r(&c.tier_write_ops),
             tier_errors: r(&c.tier_errors),
             tier_read_mismatches: r(&c.tier_read_mismatches),
-            tier_reads_polled: self.file.backend.reads_polled().0,
-            tier_reads_slept: self.file.backend.reads_polled().1,
+            tier_reads_polled,
+            tier_reads_slept,
             tier_read_latency_p50_us: c.tier_read_latency.quantile_us(0.5),
             tier_read_latency_p99_us: c.tier_read_latency.quantile_us(0.99),
             fault_tier_latency_p50_us: c.fault_tier_latency.quantile_us(0.5),

@@ -211,9 +211,9 @@ impl UringTier {
         len: usize,
     ) -> Result<io::Result<()>, io::Error> {
         let t0 = crate::sys::now_ns();
-        // Polled at most once per read, and counted once.
-        let mut budget = self.poll.budget_ns();
-        let mut counted = false;
+        // A read is polled, and counted, on the first pass only (a wait retried after EINTR
+        // or another's completion sleeps).
+        let mut first = true;
         loop {
             if self.lose_waits.load(Ordering::Relaxed) > 0
                 && self
@@ -224,10 +224,11 @@ impl UringTier {
                 ring.submit()?;
                 return Err(io::Error::from_raw_os_error(libc::EIO));
             }
-            let polled = budget > 0 && self.poll_read(ring, budget)?;
-            budget = 0;
-            if !counted {
-                counted = true;
+            let mut polled = false;
+            if first {
+                first = false;
+                let budget = self.poll.budget_ns();
+                polled = budget > 0 && self.poll_read(ring, budget)?;
                 let n = if polled {
                     &self.poll.polled
                 } else {
@@ -293,14 +294,6 @@ impl UringTier {
             last = now;
             std::hint::spin_loop();
         }
-    }
-
-    /// Reads whose completion a poll saw, and reads waited for by sleeping, so far.
-    pub fn reads_polled(&self) -> (u64, u64) {
-        (
-            self.poll.polled.load(Ordering::Relaxed),
-            self.poll.slept.load(Ordering::Relaxed),
-        )
     }
 
     fn fd(&self) -> types::Fd {
@@ -485,7 +478,10 @@ impl Backend for UringTier {
     }
 
     fn reads_polled(&self) -> (u64, u64) {
-        UringTier::reads_polled(self)
+        (
+            self.poll.polled.load(Ordering::Relaxed),
+            self.poll.slept.load(Ordering::Relaxed),
+        )
     }
 }
 
