@@ -433,7 +433,8 @@ impl Engine {
             }),
         }
         // Counted before the page is mapped, which wakes the faulting thread (as in
-        // `Engine::fetch`).
+        // `Engine::fetch`), and recorded with them.
+        self.note(p, Event::TierFault);
         Counters::bump(&self.counters.faults_tier);
         Counters::bump(&self.counters.faults_compressed);
         Counters::bump(&self.counters.promotions);
@@ -445,7 +446,6 @@ impl Engine {
         }
         self.pt
             .publish(p, State::Mapped, Some(old.history().touch()));
-        self.note(p, Event::TierFault);
         self.arrived(p);
         self.counters
             .fault_compressed_latency

@@ -569,8 +569,9 @@ impl Engine {
             by_slot_only as u64,
         );
         let (buf, n) = self.read_verified(p, slot, n);
-        // Counted before the pages are mapped: mapping wakes the faulting thread, and what it
-        // reads of the counters next must include its own fault.
+        // Counted (and recorded) before the pages are mapped: mapping wakes the faulting
+        // thread, and what it reads of the counters next must include its own fault.
+        self.note(p, Event::TierFault);
         Counters::bump(&self.counters.faults_tier);
         Counters::add(&self.counters.promotions, n as u64);
         Counters::add(&self.counters.readahead_pages, n as u64 - 1);
@@ -592,7 +593,6 @@ impl Engine {
         self.file
             .sequential
             .ended_at(p + n - 1, slot + n as u64 - 1);
-        self.note(p, Event::TierFault);
         for q in p..p + n {
             self.arrived(q);
         }
