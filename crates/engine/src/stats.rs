@@ -378,6 +378,13 @@ pub struct Snapshot {
     pub tier_reads_polled: u64,
     #[serde(default)]
     pub tier_reads_slept: u64,
+    /// Times a handler thread stopped waiting on the userfaultfd because the program's threads
+    /// no longer faulted on its CPU, and times one was made to wait there again
+    /// (`Config::follow_threads`).
+    #[serde(default)]
+    pub handlers_disarmed: u64,
+    #[serde(default)]
+    pub handlers_armed: u64,
     pub tier_read_latency_p50_us: f64,
     pub tier_read_latency_p99_us: f64,
     pub fault_tier_latency_p50_us: f64,

@@ -195,3 +195,136 @@ mod tests {
         assert_eq!(SchedStat::of(0), None);
     }
 }
+
+/// Where the program's threads run: each thread's rseq area (which glibc registers for every
+/// thread, and in which the kernel writes the CPU the thread last ran on), by thread id. The
+/// preload library notes each program thread as it starts ([`note_program_thread`]) and as
+/// it ends ([`forget_program_thread`]); a handler thread asks [`program_thread_cpu`] which CPU
+/// a fault came from. Fixed size and lock-free: a handler must not allocate or wait, and a
+/// thread that finds the table full is simply not followed.
+mod rseq_areas {
+    use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+
+    const SLOTS: usize = 1024;
+
+    pub(super) struct Table {
+        tids: [AtomicU32; SLOTS],
+        areas: [AtomicUsize; SLOTS],
+    }
+
+    pub(super) static TABLE: Table = Table {
+        tids: [const { AtomicU32::new(0) }; SLOTS],
+        areas: [const { AtomicUsize::new(0) }; SLOTS],
+    };
+
+    impl Table {
+        pub(super) fn insert(&self, tid: u32, area: usize) {
+            for k in 0..SLOTS {
+                let i = (tid as usize + k) % SLOTS;
+                let t = self.tids[i].load(Ordering::Acquire);
+                if t == tid
+                    || (t == 0
+                        && self.tids[i]
+                            .compare_exchange(0, tid, Ordering::AcqRel, Ordering::Acquire)
+                            .is_ok())
+                {
+                    self.areas[i].store(area, Ordering::Release);
+                    return;
+                }
+            }
+        }
+
+        pub(super) fn remove(&self, tid: u32) {
+            for k in 0..SLOTS {
+                let i = (tid as usize + k) % SLOTS;
+                if self.tids[i].load(Ordering::Acquire) == tid {
+                    // The area first: a reader that still finds the tid finds no area.
+                    self.areas[i].store(0, Ordering::Release);
+                    self.tids[i].store(0, Ordering::Release);
+                    return;
+                }
+            }
+        }
+
+        pub(super) fn area(&self, tid: u32) -> Option<usize> {
+            for k in 0..SLOTS {
+                let i = (tid as usize + k) % SLOTS;
+                let t = self.tids[i].load(Ordering::Acquire);
+                if t == tid {
+                    let a = self.areas[i].load(Ordering::Acquire);
+                    return (a != 0).then_some(a);
+                }
+                if t == 0 {
+                    return None;
+                }
+            }
+            None
+        }
+    }
+}
+
+/// The calling thread's rseq area, where glibc registered one (glibc 2.35 and later, on
+/// x86-64): the thread pointer plus `__rseq_offset`.
+fn own_rseq_area() -> Option<usize> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        // (offset, registered): read once from glibc's exported symbols.
+        static OFFSET: OnceLock<Option<isize>> = OnceLock::new();
+        let offset = (*OFFSET.get_or_init(|| {
+            // SAFETY: looking up glibc's data symbols by name; they are read-only after start.
+            unsafe {
+                let off = libc::dlsym(libc::RTLD_DEFAULT, c"__rseq_offset".as_ptr());
+                let size = libc::dlsym(libc::RTLD_DEFAULT, c"__rseq_size".as_ptr());
+                if off.is_null() || size.is_null() || *(size as *const u32) < 8 {
+                    return None;
+                }
+                Some(*(off as *const isize))
+            }
+        }))?;
+        let tp: usize;
+        // SAFETY: on x86-64 the first word of the thread control block points to itself.
+        unsafe { std::arch::asm!("mov {}, fs:0", out(reg) tp, options(nostack, readonly)) };
+        Some(tp.wrapping_add_signed(offset))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        None
+    }
+}
+
+/// Notes the calling thread as one of the program's, so handlers can tell which CPU its
+/// faults come from.
+pub fn note_program_thread() {
+    if let Some(area) = own_rseq_area() {
+        rseq_areas::TABLE.insert(gettid(), area);
+    }
+}
+
+/// The calling thread is ending: its rseq area goes with it.
+pub fn forget_program_thread() {
+    rseq_areas::TABLE.remove(gettid());
+}
+
+/// The CPU program thread `tid` last ran on (for a thread waiting on a fault: the CPU it
+/// faulted on), or none for a thread not noted (the kernel's own workers, threads started
+/// before the preload library, a glibc without rseq). The area is read with
+/// `process_vm_readv`, so a thread that ended meanwhile gives an error, not a fault.
+pub fn program_thread_cpu(tid: u32) -> Option<u32> {
+    let area = rseq_areas::TABLE.area(tid)?;
+    let mut cpu = 0u32;
+    let local = libc::iovec {
+        iov_base: (&mut cpu as *mut u32).cast(),
+        iov_len: 4,
+    };
+    // struct rseq: cpu_id_start (u32), then cpu_id (u32).
+    let remote = libc::iovec {
+        iov_base: (area + 4) as *mut libc::c_void,
+        iov_len: 4,
+    };
+    // SAFETY: reading 4 bytes of our own process into a local u32; the kernel checks the
+    // remote address.
+    let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
+    // cpu_id is negative (u32 ≥ 2^31) while the thread is not registered.
+    (n == 4 && cpu < 1 << 16).then_some(cpu)
+}

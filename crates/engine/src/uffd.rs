@@ -373,6 +373,33 @@ impl Uffd {
         Ok(n)
     }
 
+    /// Makes reads never wait, so that [`Uffd::wait_readable`] can say when a message is
+    /// there (poll(2) on a blocking userfaultfd always reports an error).
+    pub fn set_nonblocking(&self) -> io::Result<()> {
+        let fd = self.fd.as_raw_fd();
+        // SAFETY: F_GETFL/F_SETFL on our own descriptor.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+        // SAFETY: as above.
+        if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Waits up to `timeout_ms` for a message (the descriptor non-blocking: see
+    /// [`Uffd::set_nonblocking`]). Whether one may be there: a woken reader can still find
+    /// it taken by another.
+    pub fn wait_readable(&self, timeout_ms: i32) -> bool {
+        let mut p = libc::pollfd {
+            fd: self.fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: polling one descriptor of ours.
+        let r = unsafe { libc::poll(&mut p, 1, timeout_ms) };
+        r > 0
+    }
+
     /// Wakes the threads waiting on faults in `[start, start+len)` (to retry their access).
     pub fn wake(&self, start: usize, len: usize) -> io::Result<()> {
         let mut range = UffdioRange {

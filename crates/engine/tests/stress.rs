@@ -83,6 +83,11 @@ struct World {
     next_fork: AtomicU64,
     forks: AtomicU64,
     start: Instant,
+    /// Where the workers run, changed every 200 ms: all CPUs, the first only, the last only
+    /// (so the handler threads' following of the program's threads races with the faults).
+    phase: AtomicU32,
+    /// The CPU set the test started with.
+    cpus: libc::cpu_set_t,
 }
 
 impl World {
@@ -196,10 +201,41 @@ impl World {
         self.forks.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Moves the calling thread to the CPUs of `phase`.
+    fn run_on(&self, phase: u32) {
+        let all: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
+            // SAFETY: reading a bit of a valid set.
+            .filter(|&c| unsafe { libc::CPU_ISSET(c, &self.cpus) })
+            .collect();
+        let mut set = self.cpus;
+        if !phase.is_multiple_of(3) && all.len() > 1 {
+            let only = if phase % 3 == 1 {
+                all[0]
+            } else {
+                all[all.len() - 1]
+            };
+            // SAFETY: clearing and setting bits of a valid set (`only` is one of its CPUs).
+            unsafe {
+                libc::CPU_ZERO(&mut set);
+                libc::CPU_SET(only, &mut set);
+            }
+        }
+        // SAFETY: a valid set of the size given, for the calling thread.
+        unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
+    }
+
     fn worker(&self, seed: u64) {
+        // A program thread: the handler threads follow the CPUs its faults come from.
+        memtide_engine::threads::note_program_thread();
         let mut rng = Rng(seed | 1);
         let mut next_version = 1u32 + (seed as u32 % 1000) * 1_000_000;
+        let mut phase = 0;
         while !self.stop.load(Ordering::Relaxed) {
+            let now = self.phase.load(Ordering::Relaxed);
+            if now != phase {
+                phase = now;
+                self.run_on(phase);
+            }
             let b = rng.below(BLOCKS);
             let op = rng.below(1000);
             self.ops.fetch_add(1, Ordering::Relaxed);
@@ -428,7 +464,7 @@ fn main() {
 
 fn counts(world: &World, snap: &memtide_engine::Snapshot) -> String {
     format!(
-        "ops {} forks {} mismatches {} | faults zero {} tier {} (pool {}) inactive {} wait {} | pool: {} stored, {} same, {} rejected, {} written back | demotions {} (clean {}, zero {}) | moves underreported {} | tier errors {}, mismatched reads {} | peak DRAM {} KiB of {} KiB quota",
+        "ops {} forks {} mismatches {} | faults zero {} tier {} (pool {}) inactive {} wait {} | pool: {} stored, {} same, {} rejected, {} written back | demotions {} (clean {}, zero {}) | moves underreported {} | handlers disarmed {}, armed {} | tier errors {}, mismatched reads {} | peak DRAM {} KiB of {} KiB quota",
         world.ops.load(Ordering::Relaxed),
         world.forks.load(Ordering::Relaxed),
         world.mismatches.load(Ordering::Relaxed),
@@ -445,6 +481,8 @@ fn counts(world: &World, snap: &memtide_engine::Snapshot) -> String {
         snap.demotions_clean,
         snap.demotions_zero,
         snap.moves_underreported,
+        snap.handlers_disarmed,
+        snap.handlers_armed,
         snap.tier_errors,
         snap.tier_read_mismatches,
         snap.peak_dram_bytes >> 10,
@@ -479,6 +517,14 @@ fn stress_eviction_racing_with_access(run_for: Duration, policy: EvictionPolicy)
         next_fork: AtomicU64::new(1_000_000_000),
         forks: AtomicU64::new(0),
         start: Instant::now(),
+        phase: AtomicU32::new(0),
+        cpus: {
+            // SAFETY: cpu_set_t is plain data; sched_getaffinity fills it.
+            let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+            // SAFETY: a valid out-pointer of the size given.
+            unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+            set
+        },
     };
     eprintln!(
         "stress test (not a benchmark): {:.0} s, eviction policy {}, 4 threads, footprint 8x the quota, accessed bits cleared all along",
@@ -500,6 +546,7 @@ fn stress_eviction_racing_with_access(run_for: Duration, policy: EvictionPolicy)
         });
         while start.elapsed() < run_for {
             std::thread::sleep(Duration::from_millis(200));
+            world.phase.fetch_add(1, Ordering::Relaxed);
             if report.elapsed() >= Duration::from_secs(60) {
                 report = Instant::now();
                 eprintln!(
@@ -528,6 +575,12 @@ fn stress_eviction_racing_with_access(run_for: Duration, policy: EvictionPolicy)
         snap.demotions > 1000,
         "the run must exercise eviction: {snap:?}"
     );
+    if memtide_engine::threads::allowed_cpus().is_ok_and(|c| c.len() > 1) {
+        assert!(
+            snap.handlers_disarmed > 0 && snap.handlers_armed > 0,
+            "the run must exercise handlers following the workers' CPUs: {snap:?}"
+        );
+    }
     assert!(
         world.forks.load(Ordering::Relaxed) >= run_for.as_secs() / 2,
         "the run must fork about every second"

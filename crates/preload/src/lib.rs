@@ -163,6 +163,7 @@ fn engine_or_start() -> Option<&'static Engine> {
     cfg.policy = s.policy;
     cfg.track_writes = std::env::var_os("MEMTIDE_TRACK_WRITES").is_none_or(|v| v != "0");
     cfg.poll_reads = std::env::var_os("MEMTIDE_POLL_READS").is_none_or(|v| v != "0");
+    cfg.follow_threads = std::env::var_os("MEMTIDE_FOLLOW_THREADS").is_none_or(|v| v != "0");
     cfg.encrypt_tier = s.encrypt_tier;
     cfg.compress = s.compress;
     cfg.compressed_max_bytes = s.compressed_max;
@@ -311,6 +312,8 @@ extern "C" fn after_fork_parent() {
 /// off), it serves nothing here: the descriptors the child inherited are the program's to
 /// close like any other (they keep the parent's tier file allocated).
 extern "C" fn in_fork_child() {
+    // The child's one thread has an id of its own.
+    memtide_engine::threads::note_program_thread();
     let plan = take_plan();
     FORKING.store(false, Ordering::Release);
     let Some(e) = engine() else {
@@ -339,6 +342,8 @@ extern "C" fn init() {
         *libc::__errno_location() = errno;
     }
     load_settings();
+    // Handler threads follow the CPUs the program's threads fault on.
+    memtide_engine::threads::note_program_thread();
     if STATE.load(Ordering::Acquire) == IDLE {
         // SAFETY: registering plain extern "C" callbacks with the C runtime.
         unsafe {

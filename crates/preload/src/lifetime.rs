@@ -25,7 +25,9 @@ struct Start {
 extern "C-unwind" fn trampoline(p: *mut c_void) -> *mut c_void {
     // SAFETY: `p` is the Start that pthread_create boxed for this thread.
     let Start { f, arg } = *unsafe { Box::from_raw(p as *mut Start) };
+    memtide_engine::threads::note_program_thread();
     let r = f(arg);
+    memtide_engine::threads::forget_program_thread();
     end_if_last();
     r
 }
@@ -115,6 +117,7 @@ pub unsafe extern "C" fn pthread_create(
 /// As pthread_exit(3).
 #[no_mangle]
 pub unsafe extern "C" fn pthread_exit(retval: *mut c_void) -> ! {
+    memtide_engine::threads::forget_program_thread();
     end_if_last();
     let real = real!("pthread_exit", unsafe extern "C" fn(*mut c_void) -> !);
     // SAFETY: forwarding.

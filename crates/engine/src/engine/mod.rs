@@ -125,6 +125,10 @@ pub struct Config {
     /// device's usual read time; after a poll was preempted, the next reads sleep: see
     /// `tier::uring::ReadPoll`). On by default; `MEMTIDE_POLL_READS=0` turns it off.
     pub poll_reads: bool,
+    /// Let only the handler threads on the CPUs the program's threads fault on wait on the
+    /// userfaultfd (see `handlers::Follow`). On by default; `MEMTIDE_FOLLOW_THREADS=0` turns
+    /// it off (every handler waits, and each fault wakes them all).
+    pub follow_threads: bool,
     /// How pages are compressed into the pool in DRAM before the file (LZ4 by default; `Off`:
     /// no compressed level).
     pub compress: Compress,
@@ -154,6 +158,7 @@ impl Config {
             policy: EvictionPolicy::Sweep,
             track_writes: true,
             poll_reads: true,
+            follow_threads: true,
             compress: Compress::Lz4,
             compressed_max_bytes: None,
             record: None,
@@ -256,6 +261,9 @@ pub struct Engine {
     warnings: Mutex<Vec<String>>,
     /// Faults at addresses that hold no memory, per thread (handler threads only).
     strays: handlers::Strays,
+    /// Which handler threads wait on the userfaultfd, and whether that follows the program.
+    follow: handlers::Follow,
+    follow_threads: bool,
     /// The kernel's ids of the handler threads and of the evictor (0 until it runs), for
     /// what the scheduler says of them.
     handler_tids: Mutex<Vec<u32>>,
@@ -414,6 +422,8 @@ impl Engine {
             arrivals,
             warnings: Mutex::new(Vec::new()),
             strays: handlers::Strays::new(),
+            follow: handlers::Follow::new(),
+            follow_threads: cfg.follow_threads,
             handler_tids: Mutex::new(Vec::new()),
             evictor_tid: std::sync::atomic::AtomicU32::new(0),
             start_ns,
@@ -714,6 +724,8 @@ impl Engine {
             tier_errors: r(&c.tier_errors),
             tier_read_mismatches: r(&c.tier_read_mismatches),
             tier_reads_polled,
+            handlers_disarmed: self.follow.disarms(),
+            handlers_armed: self.follow.arms(),
             tier_reads_slept,
             tier_read_latency_p50_us: c.tier_read_latency.quantile_us(0.5),
             tier_read_latency_p99_us: c.tier_read_latency.quantile_us(0.99),
