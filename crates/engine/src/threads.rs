@@ -199,13 +199,15 @@ mod tests {
 /// Where the program's threads run: each thread's rseq area (which glibc registers for every
 /// thread, and in which the kernel writes the CPU the thread last ran on), by thread id. The
 /// preload library notes each program thread as it starts ([`note_program_thread`]) and as
-/// it ends ([`forget_program_thread`]); a handler thread asks [`program_thread_cpu`] which CPU
-/// a fault came from. Fixed size and lock-free: a handler must not allocate or wait, and a
-/// thread that finds the table full is simply not followed.
+/// it ends ([`forget_program_thread`]); a handler thread asks [`program_thread_rseq`] and
+/// [`rseq_cpu`] which CPU a fault came from. Fixed size and lock-free: a handler must not
+/// allocate or wait, and a thread that finds the table full is simply not followed.
 mod rseq_areas {
     use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 
     const SLOTS: usize = 1024;
+    /// A slot whose thread ended: lookups go on past it, a new thread may take it.
+    const ENDED: u32 = u32::MAX;
 
     pub(super) struct Table {
         tids: [AtomicU32; SLOTS],
@@ -217,16 +219,24 @@ mod rseq_areas {
         areas: [const { AtomicUsize::new(0) }; SLOTS],
     };
 
+    fn probe(tid: u32) -> impl Iterator<Item = usize> {
+        (0..SLOTS).map(move |k| (tid as usize + k) % SLOTS)
+    }
+
     impl Table {
         pub(super) fn insert(&self, tid: u32, area: usize) {
-            for k in 0..SLOTS {
-                let i = (tid as usize + k) % SLOTS;
+            // An entry of an earlier thread with this id (one that ended without a word, or
+            // the parent's before a fork) is brought up to date.
+            if let Some(i) = self.find(tid) {
+                self.areas[i].store(area, Ordering::Release);
+                return;
+            }
+            for i in probe(tid) {
                 let t = self.tids[i].load(Ordering::Acquire);
-                if t == tid
-                    || (t == 0
-                        && self.tids[i]
-                            .compare_exchange(0, tid, Ordering::AcqRel, Ordering::Acquire)
-                            .is_ok())
+                if (t == 0 || t == ENDED)
+                    && self.tids[i]
+                        .compare_exchange(t, tid, Ordering::AcqRel, Ordering::Acquire)
+                        .is_ok()
                 {
                     self.areas[i].store(area, Ordering::Release);
                     return;
@@ -235,30 +245,27 @@ mod rseq_areas {
         }
 
         pub(super) fn remove(&self, tid: u32) {
-            for k in 0..SLOTS {
-                let i = (tid as usize + k) % SLOTS;
-                if self.tids[i].load(Ordering::Acquire) == tid {
-                    // The area first: a reader that still finds the tid finds no area.
-                    self.areas[i].store(0, Ordering::Release);
-                    self.tids[i].store(0, Ordering::Release);
-                    return;
-                }
+            if let Some(i) = self.find(tid) {
+                // The area first: a reader that still finds the tid finds no area.
+                self.areas[i].store(0, Ordering::Release);
+                self.tids[i].store(ENDED, Ordering::Release);
             }
         }
 
-        pub(super) fn area(&self, tid: u32) -> Option<usize> {
-            for k in 0..SLOTS {
-                let i = (tid as usize + k) % SLOTS;
-                let t = self.tids[i].load(Ordering::Acquire);
-                if t == tid {
-                    let a = self.areas[i].load(Ordering::Acquire);
-                    return (a != 0).then_some(a);
-                }
-                if t == 0 {
-                    return None;
+        fn find(&self, tid: u32) -> Option<usize> {
+            for i in probe(tid) {
+                match self.tids[i].load(Ordering::Acquire) {
+                    t if t == tid => return Some(i),
+                    0 => return None,
+                    _ => {}
                 }
             }
             None
+        }
+
+        pub(super) fn area(&self, tid: u32) -> Option<usize> {
+            let a = self.areas[self.find(tid)?].load(Ordering::Acquire);
+            (a != 0).then_some(a)
         }
     }
 }
@@ -269,7 +276,7 @@ fn own_rseq_area() -> Option<usize> {
     #[cfg(target_arch = "x86_64")]
     {
         use std::sync::OnceLock;
-        // (offset, registered): read once from glibc's exported symbols.
+        // Read once from glibc's exported symbols; none where rseq is not registered.
         static OFFSET: OnceLock<Option<isize>> = OnceLock::new();
         let offset = (*OFFSET.get_or_init(|| {
             // SAFETY: looking up glibc's data symbols by name; they are read-only after start.
@@ -306,12 +313,18 @@ pub fn forget_program_thread() {
     rseq_areas::TABLE.remove(gettid());
 }
 
-/// The CPU program thread `tid` last ran on (for a thread waiting on a fault: the CPU it
-/// faulted on), or none for a thread not noted (the kernel's own workers, threads started
-/// before the preload library, a glibc without rseq). The area is read with
-/// `process_vm_readv`, so a thread that ended meanwhile gives an error, not a fault.
-pub fn program_thread_cpu(tid: u32) -> Option<u32> {
-    let area = rseq_areas::TABLE.area(tid)?;
+/// Program thread `tid`'s rseq area, or none for a thread not noted (the kernel's own
+/// workers, threads started before the preload library, a glibc without rseq, another
+/// architecture than x86-64).
+pub fn program_thread_rseq(tid: u32) -> Option<usize> {
+    rseq_areas::TABLE.area(tid)
+}
+
+/// The CPU the thread whose rseq area is at `area` last ran on (for a thread waiting on a
+/// fault: the CPU it faulted on). Read with `process_vm_readv`, so an area that is no longer
+/// mapped gives an error, not a fault; but an area in memory the kernel must fault in (an
+/// evicted page of managed memory) makes the caller wait for that fault.
+pub fn rseq_cpu(area: usize) -> Option<u32> {
     let mut cpu = 0u32;
     let local = libc::iovec {
         iov_base: (&mut cpu as *mut u32).cast(),
@@ -322,9 +335,14 @@ pub fn program_thread_cpu(tid: u32) -> Option<u32> {
         iov_base: (area + 4) as *mut libc::c_void,
         iov_len: 4,
     };
-    // SAFETY: reading 4 bytes of our own process into a local u32; the kernel checks the
-    // remote address.
-    let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
+    // SAFETY: reading 4 bytes of this process into a local u32; the kernel checks the remote
+    // address. The calling thread's id names the process even after its main thread ended.
+    let n = unsafe { libc::process_vm_readv(gettid() as libc::pid_t, &local, 1, &remote, 1, 0) };
     // cpu_id is negative (u32 ≥ 2^31) while the thread is not registered.
     (n == 4 && cpu < 1 << 16).then_some(cpu)
+}
+
+/// [`rseq_cpu`] of program thread `tid` (see [`program_thread_rseq`]).
+pub fn program_thread_cpu(tid: u32) -> Option<u32> {
+    rseq_cpu(program_thread_rseq(tid)?)
 }

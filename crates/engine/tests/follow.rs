@@ -35,8 +35,6 @@ fn run(name: &str, follow: bool, cpus: (usize, usize)) -> Outcome {
     cfg.compress = Compress::Off;
     cfg.follow_threads = follow;
     let e: &Engine = start(&cfg);
-    // This thread is the program's: its faults say which CPU they come from.
-    note_program_thread();
     pin_to_cpu(cpus.0).expect("pin to the first CPU");
     assert_eq!(
         program_thread_cpu(gettid()),
@@ -83,6 +81,15 @@ fn handlers_stand_aside_while_the_program_faults_elsewhere() {
     let cpus = allowed_cpus().expect("sched_getaffinity");
     if cpus.len() < 2 {
         eprintln!("one CPU: every fault is served on it, there is nothing to follow");
+        return;
+    }
+    // This thread is the program's: its faults say which CPU they come from.
+    note_program_thread();
+    if program_thread_cpu(gettid()).is_none() {
+        eprintln!(
+            "no rseq area to read a thread's CPU from (glibc before 2.35, rseq turned off, \
+             not x86-64): handlers cannot follow threads here"
+        );
         return;
     }
     let pair = (cpus[0], cpus[1]);

@@ -575,7 +575,11 @@ fn stress_eviction_racing_with_access(run_for: Duration, policy: EvictionPolicy)
         snap.demotions > 1000,
         "the run must exercise eviction: {snap:?}"
     );
-    if memtide_engine::threads::allowed_cpus().is_ok_and(|c| c.len() > 1) {
+    // Where threads can be followed: 2 to 64 CPUs and an rseq area to read a CPU from.
+    let cpus = memtide_engine::threads::allowed_cpus().map_or(0, |c| c.len());
+    memtide_engine::threads::note_program_thread();
+    let rseq = memtide_engine::threads::program_thread_cpu(memtide_engine::threads::gettid());
+    if (2..=64).contains(&cpus) && rseq.is_some() {
         assert!(
             snap.handlers_disarmed > 0 && snap.handlers_armed > 0,
             "the run must exercise handlers following the workers' CPUs: {snap:?}"

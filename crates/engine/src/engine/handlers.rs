@@ -60,39 +60,47 @@ impl Strays {
     }
 }
 
-/// Most handler threads whose waiting follows the program's threads (one per CPU); on a
-/// machine with more CPUs every handler waits on the userfaultfd.
+/// Most handler threads whose waiting follows the program's threads (one per CPU, one bit
+/// each of [`Follow`]'s mask); on a machine with more CPUs every handler waits on the
+/// userfaultfd, as on a machine with one.
 const FOLLOWED_CPUS: usize = 64;
 
-/// Faults in a row that a handler was woken for and another handler served on its own CPU,
-/// with no fault from a thread on the first handler's CPU meanwhile, before it stops waiting.
+/// Faults served on other CPUs, with no fault from a thread on a handler's own CPU among them,
+/// before that handler stops waiting on the userfaultfd.
 const IDLE_WAKES: u32 = 64;
 
-/// How long a handler waits on the userfaultfd, or for its CPU to need it again, before it
-/// looks at whether it should still wait there (ms).
+/// How long a waiting handler polls the userfaultfd before it looks at whether it should
+/// still wait there (ms): a handler disarmed while it polls leaves the userfaultfd's queue
+/// then.
 const RECHECK_MS: i32 = 50;
+
+/// How long a disarmed handler sleeps before it looks again (ns): arming it wakes it at
+/// once; this is only a safety net.
+const DISARMED_NS: u64 = 1_000_000_000;
 
 /// Which handler threads wait on the userfaultfd. Every thread waiting on it is woken by
 /// every fault, and one takes it: on a machine whose program thread faults on one CPU, the
 /// handler on the other CPU is woken for nothing each time, an inter-processor interrupt to
 /// a CPU that is often halted (about 13% of a one-thread program's accesses on these VMs).
-/// So the handlers follow the program's threads: a handler whose CPU's threads have not
-/// faulted for [`IDLE_WAKES`] faults stops waiting on the userfaultfd (it is "disarmed")
-/// and sleeps on a futex until a fault comes from a thread on its CPU again, which the handler
-/// that serves it sees (from the thread's rseq area) and arms it. At least one handler always
-/// waits; a read that finds several faults at once arms them all. Faults from threads whose
-/// CPU cannot be read (the kernel's workers, threads memtide did not see start) change
-/// nothing.
+/// So the handlers follow the program's threads: the handler that serves a fault reads the
+/// faulting thread's CPU (`threads::program_thread_cpu`); a handler whose CPU's threads have
+/// not faulted while [`IDLE_WAKES`] faults were served on other CPUs stops waiting on the
+/// userfaultfd ("disarmed") and sleeps on a futex, until a fault from a thread on its CPU,
+/// seen by whichever handler serves it, arms it again. At least one handler stays armed; a
+/// read that finds several faults at once, and a fault read while a fork has the engine's
+/// gate closed, arm them all. A fault whose thread's CPU cannot be read (the kernel's
+/// workers, threads memtide did not see start, a thread whose rseq area is in managed
+/// memory) changes nothing. The state is atomics only, so a fork that copies it mid-change
+/// leaves nothing locked; the child's handlers start it afresh.
 pub(super) struct Follow {
     on: AtomicBool,
     n: AtomicUsize,
     cpus: [AtomicU32; FOLLOWED_CPUS],
-    armed: [AtomicBool; FOLLOWED_CPUS],
+    /// Bit k: handler k waits on the userfaultfd.
+    armed: AtomicU64,
     idle_wakes: [AtomicU32; FOLLOWED_CPUS],
     /// Bumped to arm a handler (the futex it sleeps on while disarmed).
     bell: [AtomicU32; FOLLOWED_CPUS],
-    /// Held while arming or disarming, so that the last armed handler is never disarmed.
-    change: Mutex<()>,
     arms: AtomicU64,
     disarms: AtomicU64,
 }
@@ -103,13 +111,32 @@ impl Follow {
             on: AtomicBool::new(false),
             n: AtomicUsize::new(0),
             cpus: [const { AtomicU32::new(0) }; FOLLOWED_CPUS],
-            armed: [const { AtomicBool::new(true) }; FOLLOWED_CPUS],
+            armed: AtomicU64::new(u64::MAX),
             idle_wakes: [const { AtomicU32::new(0) }; FOLLOWED_CPUS],
             bell: [const { AtomicU32::new(0) }; FOLLOWED_CPUS],
-            change: Mutex::new(()),
             arms: AtomicU64::new(0),
             disarms: AtomicU64::new(0),
         }
+    }
+
+    /// Whether handlers on `cpus` can follow the program's threads: more than one, at most
+    /// [`FOLLOWED_CPUS`].
+    fn can_follow(cpus: &[usize]) -> bool {
+        cpus.len() > 1 && cpus.len() <= FOLLOWED_CPUS
+    }
+
+    /// Sets the handlers' CPUs up before they start, every one armed.
+    fn start(&self, cpus: &[usize], on: bool) {
+        for (k, &c) in cpus.iter().enumerate().take(FOLLOWED_CPUS) {
+            self.cpus[k].store(c as u32, Ordering::Relaxed);
+            self.idle_wakes[k].store(0, Ordering::Relaxed);
+        }
+        self.n
+            .store(cpus.len().min(FOLLOWED_CPUS), Ordering::Relaxed);
+        self.armed.store(u64::MAX, Ordering::Relaxed);
+        self.arms.store(0, Ordering::Relaxed);
+        self.disarms.store(0, Ordering::Relaxed);
+        self.on.store(on, Ordering::Release);
     }
 
     /// Handlers made to wait on the userfaultfd again, and handlers that stopped.
@@ -121,27 +148,12 @@ impl Follow {
         self.disarms.load(Ordering::Relaxed)
     }
 
-    /// Sets the handlers' CPUs up before they start (each armed).
-    fn start(&self, cpus: &[usize], on: bool) {
-        let on = on && cpus.len() > 1 && cpus.len() <= FOLLOWED_CPUS;
-        for (k, &c) in cpus.iter().enumerate().take(FOLLOWED_CPUS) {
-            self.cpus[k].store(c as u32, Ordering::Relaxed);
-            self.armed[k].store(true, Ordering::Relaxed);
-            self.idle_wakes[k].store(0, Ordering::Relaxed);
-        }
-        self.n
-            .store(cpus.len().min(FOLLOWED_CPUS), Ordering::Relaxed);
-        self.arms.store(0, Ordering::Relaxed);
-        self.disarms.store(0, Ordering::Relaxed);
-        self.on.store(on, Ordering::Release);
-    }
-
     fn on(&self) -> bool {
         self.on.load(Ordering::Acquire)
     }
 
     fn armed(&self, k: usize) -> bool {
-        self.armed[k].load(Ordering::Acquire)
+        self.armed.load(Ordering::Acquire) & (1 << k) != 0
     }
 
     fn handler_on(&self, cpu: u32) -> Option<usize> {
@@ -152,15 +164,12 @@ impl Follow {
         if self.armed(j) {
             return;
         }
-        let _g = self.change.lock().unwrap_or_else(|e| e.into_inner());
-        if self.armed(j) {
-            return;
-        }
         self.idle_wakes[j].store(0, Ordering::Relaxed);
-        self.armed[j].store(true, Ordering::Release);
-        self.arms.fetch_add(1, Ordering::Relaxed);
-        self.bell[j].fetch_add(1, Ordering::Release);
-        crate::sys::futex_wake(&self.bell[j]);
+        if self.armed.fetch_or(1 << j, Ordering::AcqRel) & (1 << j) == 0 {
+            self.arms.fetch_add(1, Ordering::Relaxed);
+            self.bell[j].fetch_add(1, Ordering::Release);
+            crate::sys::futex_wake(&self.bell[j]);
+        }
     }
 
     fn arm_all(&self) {
@@ -169,32 +178,44 @@ impl Follow {
         }
     }
 
+    /// Disarms handler `j`, unless it is the last one armed.
     fn disarm(&self, j: usize) {
-        let _g = self.change.lock().unwrap_or_else(|e| e.into_inner());
+        let mut m = self.armed.load(Ordering::Acquire);
         let n = self.n.load(Ordering::Relaxed);
-        let armed = (0..n).filter(|&i| self.armed(i)).count();
-        if armed > 1 && self.armed(j) {
-            self.armed[j].store(false, Ordering::Release);
-            self.disarms.fetch_add(1, Ordering::Relaxed);
+        let all = if n >= 64 { u64::MAX } else { (1u64 << n) - 1 };
+        loop {
+            if m & (1 << j) == 0 || m & all & !(1 << j) == 0 {
+                return;
+            }
+            match self.armed.compare_exchange_weak(
+                m,
+                m & !(1 << j),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => break,
+                Err(now) => m = now,
+            }
         }
+        self.disarms.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Handler `k` read `faults`: arms the handler of the CPU they came from, and counts the
-    /// wake-ups the other armed handlers had for nothing.
-    fn saw(&self, k: usize, faults: &[PageFault]) {
-        if faults.len() > 1 {
+    /// Handler `k` read `faults`, from a thread last on `cpu` (when one fault and its
+    /// thread's CPU could be read): arms the handler of that CPU, and counts a wake-up for
+    /// nothing against every other armed handler.
+    fn saw(&self, k: usize, faults: usize, cpu: Option<u32>) {
+        if faults > 1 {
             self.arm_all();
             return;
         }
-        let Some(cpu) = faults
-            .first()
-            .and_then(|f| crate::threads::program_thread_cpu(f.tid))
-        else {
+        let Some(cpu) = cpu else {
             return;
         };
         let n = self.n.load(Ordering::Relaxed);
         if self.cpus[k].load(Ordering::Relaxed) == cpu {
+            // (A handler disarmed while it polled can still serve its own CPU's fault.)
             self.idle_wakes[k].store(0, Ordering::Relaxed);
+            self.arm(k);
             for j in (0..n).filter(|&j| j != k && self.armed(j)) {
                 if self.idle_wakes[j].fetch_add(1, Ordering::Relaxed) + 1 >= IDLE_WAKES {
                     self.disarm(j);
@@ -206,13 +227,13 @@ impl Follow {
         }
     }
 
-    /// Disarmed handler `k` sleeps until it is armed (or a while passes).
+    /// Disarmed handler `k` sleeps until it is armed.
     fn wait_armed(&self, k: usize) {
         let v = self.bell[k].load(Ordering::Acquire);
         if self.armed(k) {
             return;
         }
-        crate::sys::futex_wait(&self.bell[k], v, RECHECK_MS as u64 * 1_000_000);
+        crate::sys::futex_wait(&self.bell[k], v, DISARMED_NS);
     }
 }
 
@@ -224,8 +245,10 @@ impl Engine {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .reserve(cpus.len());
-        // Following needs to poll the userfaultfd, which works on a non-blocking one only.
-        let follow = self.follow_threads && self.uffd.set_nonblocking().is_ok();
+        // Following needs to poll the userfaultfd, which works on a non-blocking one only
+        // (and only then are its reads made not to wait).
+        let follow =
+            self.follow_threads && Follow::can_follow(&cpus) && self.uffd.set_nonblocking().is_ok();
         self.follow.start(&cpus, follow);
         for (k, &cpu) in cpus.iter().enumerate() {
             crate::threads::spawn(&format!("memtide-fault-{k}"), move || {
@@ -279,7 +302,12 @@ impl Engine {
                 .read_faults(&mut faults, n_held > 0 || follow, |fd| self.forked(fd))
                 .unwrap_or_else(|e| fatal("reading faults from the userfaultfd failed", &e));
             if follow && n > 0 {
-                self.follow.saw(k, &faults[..n]);
+                let cpu = if n == 1 {
+                    self.faulting_cpu(faults[0].tid)
+                } else {
+                    None
+                };
+                self.follow.saw(k, n, cpu);
             }
             for f in &faults[..n] {
                 match self.gate.try_enter() {
@@ -299,6 +327,18 @@ impl Engine {
                 }
             }
         }
+    }
+
+    /// The CPU program thread `tid` faulted on, where it can be read without touching
+    /// managed memory: a thread whose rseq area lies in managed memory (a stack the program
+    /// allocated from it) is not followed, since reading an evicted area would make this
+    /// handler wait on a fault only a handler can serve.
+    fn faulting_cpu(&self, tid: u32) -> Option<u32> {
+        let area = crate::threads::program_thread_rseq(tid)?;
+        if self.contains(area) || self.contains(area + 8) {
+            return None;
+        }
+        crate::threads::rseq_cpu(area)
     }
 
     /// Resolves one queued fault. Mapping the page (UFFDIO_COPY or UFFDIO_MOVE) wakes whoever
