@@ -6,7 +6,9 @@
 //! One handler per CPU, each pinned to its CPU: the faulting thread sleeps, so the handler on
 //! its CPU runs at once and answers in about the time of an in-thread fault, where a handler
 //! on another CPU would pay a cross-CPU wake-up (measured on these machines with a 4 KiB
-//! `UFFDIO_COPY` per fault: 4.4 µs p50 against 63 µs). Entry point: [`Engine::start_handlers`].
+//! `UFFDIO_COPY` per fault: 4.4 µs p50 against 63 µs). Every handler waiting on the
+//! userfaultfd is woken by every fault, so only those on the CPUs the program's threads fault
+//! on wait there ([`Follow`]). Entry point: [`Engine::start_handlers`].
 
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
