@@ -95,6 +95,8 @@ const DISARMED_NS: u64 = 1_000_000_000;
 /// memory) changes nothing. The state is atomics only, so a fork that copies it mid-change
 /// leaves nothing locked; the child's handlers start it afresh.
 pub(super) struct Follow {
+    /// Whether following was asked for (`Config::follow_threads`).
+    wanted: bool,
     on: AtomicBool,
     n: AtomicUsize,
     cpus: [AtomicU32; FOLLOWED_CPUS],
@@ -108,8 +110,9 @@ pub(super) struct Follow {
 }
 
 impl Follow {
-    pub(super) fn new() -> Follow {
+    pub(super) fn new(wanted: bool) -> Follow {
         Follow {
+            wanted,
             on: AtomicBool::new(false),
             n: AtomicUsize::new(0),
             cpus: [const { AtomicU32::new(0) }; FOLLOWED_CPUS],
@@ -121,10 +124,10 @@ impl Follow {
         }
     }
 
-    /// Whether handlers on `cpus` can follow the program's threads: more than one, at most
-    /// [`FOLLOWED_CPUS`].
-    fn can_follow(cpus: &[usize]) -> bool {
-        cpus.len() > 1 && cpus.len() <= FOLLOWED_CPUS
+    /// Whether handlers on `cpus` should follow the program's threads: asked for, and more
+    /// than one CPU, at most [`FOLLOWED_CPUS`].
+    fn can_follow(&self, cpus: &[usize]) -> bool {
+        self.wanted && cpus.len() > 1 && cpus.len() <= FOLLOWED_CPUS
     }
 
     /// Sets the handlers' CPUs up before they start, every one armed.
@@ -249,8 +252,7 @@ impl Engine {
             .reserve(cpus.len());
         // Following needs to poll the userfaultfd, which works on a non-blocking one only
         // (and only then are its reads made not to wait).
-        let follow =
-            self.follow_threads && Follow::can_follow(&cpus) && self.uffd.set_nonblocking().is_ok();
+        let follow = self.follow.can_follow(&cpus) && self.uffd.set_nonblocking().is_ok();
         self.follow.start(&cpus, follow);
         for (k, &cpu) in cpus.iter().enumerate() {
             crate::threads::spawn(&format!("memtide-fault-{k}"), move || {
@@ -267,7 +269,7 @@ impl Engine {
     }
 
     fn handler_main(&self, k: usize) -> ! {
-        let follow = self.follow.on() && k < FOLLOWED_CPUS;
+        let follow = self.follow.on();
         let mut faults = [PageFault { address: 0, tid: 0 }; 16];
         // Faults read while a fork had the engine's gate closed, served once it opens. The
         // handler keeps reading meanwhile: the fork's own event comes through the same

@@ -263,7 +263,6 @@ pub struct Engine {
     strays: handlers::Strays,
     /// Which handler threads wait on the userfaultfd, and whether that follows the program.
     follow: handlers::Follow,
-    follow_threads: bool,
     /// The kernel's ids of the handler threads and of the evictor (0 until it runs), for
     /// what the scheduler says of them.
     handler_tids: Mutex<Vec<u32>>,
@@ -422,8 +421,7 @@ impl Engine {
             arrivals,
             warnings: Mutex::new(Vec::new()),
             strays: handlers::Strays::new(),
-            follow: handlers::Follow::new(),
-            follow_threads: cfg.follow_threads,
+            follow: handlers::Follow::new(cfg.follow_threads),
             handler_tids: Mutex::new(Vec::new()),
             evictor_tid: std::sync::atomic::AtomicU32::new(0),
             start_ns,
@@ -724,9 +722,9 @@ impl Engine {
             tier_errors: r(&c.tier_errors),
             tier_read_mismatches: r(&c.tier_read_mismatches),
             tier_reads_polled,
+            tier_reads_slept,
             handlers_disarmed: self.follow.disarms(),
             handlers_armed: self.follow.arms(),
-            tier_reads_slept,
             tier_read_latency_p50_us: c.tier_read_latency.quantile_us(0.5),
             tier_read_latency_p99_us: c.tier_read_latency.quantile_us(0.99),
             fault_tier_latency_p50_us: c.fault_tier_latency.quantile_us(0.5),
