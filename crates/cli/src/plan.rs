@@ -41,6 +41,9 @@ pub struct PlanArgs {
     /// Cost of a tier-1 miss (fault + read + map), when there is no --probe.
     #[arg(long, value_parser = opts::latency_ns, default_value = "80us")]
     pub tier_latency: f64,
+    /// Cost of a miss served from the compressed pool, for tenants that give a `ratio`.
+    #[arg(long, value_parser = opts::latency_ns, default_value = "15us")]
+    pub compressed_latency: f64,
     /// Also write the plan as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -100,6 +103,11 @@ struct TenantToml {
     count: Option<u64>,
     rate: Option<String>,
     trace: Option<PathBuf>,
+    /// Pages memtide's compressed pool holds per page of its DRAM for this tenant (about 1.8
+    /// for pages lz4 halves; a run's `--stats` give compressed_pages over the pool's pages).
+    /// Given, the plan also tries pools of a sixteenth, an eighth, a quarter and half of the
+    /// DRAM, and keeps the split that loses least.
+    ratio: Option<f64>,
 }
 
 /// Pages a synthetic profile is replayed at: curves depend on fractions, not on absolute
@@ -127,7 +135,12 @@ struct Profile {
     tenant: Tenant,
     source: Source,
     pages: u64,
+    /// The tenant's compression ratio in the pool, if it gave one.
+    ratio: Option<f64>,
 }
+
+/// The pool shares a tenant with a `ratio` is replayed at (0: the file alone).
+const POOL_SHARES: [f64; 5] = [0.0, 1.0 / 16.0, 1.0 / 8.0, 1.0 / 4.0, 1.0 / 2.0];
 
 /// Page accesses per second of a tenant at full speed, unless it says: one per microsecond of
 /// its own work.
@@ -143,6 +156,11 @@ fn profile(t: &TenantToml, base: &Path) -> Result<Profile> {
         Some(r) => parse_rate(name, r)?,
         None => DEFAULT_RATE,
     };
+    if let Some(r) = t.ratio {
+        if !(1.0..=64.0).contains(&r) {
+            bail!("tenant `{name}`: ratio {r}: give pages per page of pool, from 1 to 64");
+        }
+    }
     if let Some(trace) = &t.trace {
         if t.skew.is_some() || t.cold.is_some() {
             bail!("tenant `{name}`: a trace tenant takes no skew or cold (the trace has them)");
@@ -175,6 +193,7 @@ fn profile(t: &TenantToml, base: &Path) -> Result<Profile> {
             },
             source: Source::Trace(tr),
             pages,
+            ratio: t.ratio,
         });
     }
     let footprint = parse_size(
@@ -234,6 +253,7 @@ fn profile(t: &TenantToml, base: &Path) -> Result<Profile> {
         },
         source: Source::Spec(spec),
         pages,
+        ratio: t.ratio,
     })
 }
 
@@ -331,17 +351,29 @@ pub fn plan(a: PlanArgs) -> Result<ExitCode> {
             dram_ns: 1e9 / p.tenant.rate,
             tier_ns,
             soft_ns: 6_000.0,
+            compressed_ns: a.compressed_latency,
         };
+        // With a ratio, every fraction at every pool share; the curve keeps the best split.
+        let shares: &[f64] = if p.ratio.is_some() {
+            &POOL_SHARES
+        } else {
+            &POOL_SHARES[..1]
+        };
+        let (pages, ratio) = (p.pages, p.ratio.unwrap_or(1.0));
         let jobs: Vec<Job> = fractions
             .iter()
-            .map(|f| Job {
-                policy: "placement".into(),
-                dram_pages: ((p.pages as f64 * f).round() as u64).max(1),
+            .flat_map(|f| {
+                let dram = ((pages as f64 * f).round() as u64).max(1);
+                shares.iter().map(move |&s| Job {
+                    pool_pages: (dram as f64 * s) as u64,
+                    ratio,
+                    ..Job::new("placement", dram)
+                })
             })
             .collect();
         let out = simulate(&p.source, &jobs, &lat, threads, &|done, _| {
             if tty {
-                let d = k * fractions.len() + done;
+                let d = k * fractions.len() + done / shares.len();
                 eprint!(
                     "\r{} {d}/{total} replays",
                     memtide_bench::report::bar(d, total)
@@ -350,17 +382,25 @@ pub fn plan(a: PlanArgs) -> Result<ExitCode> {
             }
         })?;
         p.tenant.curve = out
-            .iter()
+            .chunks(shares.len())
             .zip(&fractions)
-            .map(|(o, &f)| Point {
-                fraction: f,
-                miss_ratio: o.miss_ratio(),
-                write_ratio: o.writebacks as f64 / o.accesses.max(1) as f64,
-                slowdown: o.slowdown(&lat),
+            .map(|(split, &f)| {
+                let o = split
+                    .iter()
+                    .min_by(|x, y| x.slowdown(&lat).total_cmp(&y.slowdown(&lat)))
+                    .expect("one replay per share");
+                Point {
+                    fraction: f,
+                    pool_share: o.pool_pages as f64 / o.dram_pages.max(1) as f64,
+                    miss_ratio: o.file_misses() as f64 / o.accesses.max(1) as f64,
+                    write_ratio: o.writebacks as f64 / o.accesses.max(1) as f64,
+                    slowdown: o.slowdown(&lat),
+                }
             })
             .collect();
         p.tenant.curve.push(Point {
             fraction: 1.0,
+            pool_share: 0.0,
             miss_ratio: 0.0,
             write_ratio: 0.0,
             slowdown: 1.0,
@@ -377,9 +417,23 @@ pub fn plan(a: PlanArgs) -> Result<ExitCode> {
     let plan = memtide_sim::plan::plan(&tenants, &host, &prices, max_loss);
     let best = &plan.options[plan.best];
 
+    // With a tenant's ratio: how much of its DRAM the plan gives the compressed pool.
+    let leveled = specs.iter().any(|t| t.ratio.is_some());
     println!(
-        "{:<14} {:>6} {:>10} {:>10} {:>12} {:>9} {:>9} {:>12}",
-        "tenant", "copies", "footprint", "active", "DRAM each", "in DRAM", "loss", "tier reads"
+        "{:<14} {:>6} {:>10} {:>10} {:>12}{} {:>9} {:>9} {:>12}",
+        "tenant",
+        "copies",
+        "footprint",
+        "active",
+        "DRAM each",
+        if leveled {
+            format!(" {:>12}", "of it pool")
+        } else {
+            String::new()
+        },
+        "in DRAM",
+        "loss",
+        "tier reads"
     );
     for (t, &f) in tenants.iter().zip(&best.fractions) {
         let pt = t
@@ -388,13 +442,22 @@ pub fn plan(a: PlanArgs) -> Result<ExitCode> {
             .find(|p| p.fraction == f)
             .copied()
             .unwrap_or(t.curve[0]);
+        let dram_each = (t.footprint_bytes as f64 * f) as u64;
         println!(
-            "{:<14} {:>6} {:>10} {:>10} {:>12} {:>8.0}% {:>8.1}% {:>10.1}K/s",
+            "{:<14} {:>6} {:>10} {:>10} {:>12}{} {:>8.0}% {:>8.1}% {:>10.1}K/s",
             t.name,
             t.count,
             size::format(t.footprint_bytes),
             size::format(t.active_bytes),
-            size::format((t.footprint_bytes as f64 * f) as u64),
+            size::format(dram_each),
+            match (leveled, pt.pool_share > 0.0) {
+                (false, _) => String::new(),
+                (true, false) => format!(" {:>12}", "-"),
+                (true, true) => format!(
+                    " {:>12}",
+                    size::format((dram_each as f64 * pt.pool_share) as u64)
+                ),
+            },
             f * 100.0,
             pt.loss() * 100.0,
             pt.miss_ratio * t.rate / pt.slowdown / 1e3

@@ -86,6 +86,21 @@ pub struct SimArgs {
     /// bandwidth columns (default: one per --dram-latency).
     #[arg(long, value_parser = opts::rate)]
     pub rate: Option<f64>,
+    /// Model memtide's compressed level: the share of each --dram its pool takes (6.25%, a
+    /// sixteenth, is the engine's default; 0 for none), comma-separated to compare splits.
+    /// Pages leaving DRAM go into the pool, which holds --ratio pages per page of its DRAM,
+    /// and on to the file when it is full, oldest first; a miss on a page still in the pool
+    /// costs --compressed-latency instead of --tier-latency. (opt and memory-mode keep no pool.)
+    #[arg(long, value_delimiter = ',', value_parser = share)]
+    pub compressed: Vec<f64>,
+    /// With --compressed: pages the pool holds per page of its DRAM (the engine's `--stats`
+    /// show it as compressed_pages over compressed_pool_bytes; about 1.8 for pages that lz4
+    /// halves, 1 for incompressible ones).
+    #[arg(long, default_value = "2", value_parser = ratio)]
+    pub ratio: f64,
+    /// With --compressed: cost of a miss served from the pool (fault, decompression, map).
+    #[arg(long, value_parser = opts::latency_ns, default_value = "15us")]
+    pub compressed_latency: f64,
     /// Cost of a soft fault on memtide's inactive list.
     #[arg(long, value_parser = opts::latency_ns, default_value = "6us")]
     pub soft_latency: f64,
@@ -100,6 +115,29 @@ pub struct SimArgs {
     /// memtide-sim.svg).
     #[arg(long)]
     pub plot: Option<PathBuf>,
+}
+
+/// A `--compressed` share: a percentage (6.25%) or a fraction (0.0625) of --dram, below 100%.
+fn share(s: &str) -> Result<f64, String> {
+    let t = s.trim();
+    let v = match t.strip_suffix('%') {
+        Some(p) => p.trim().parse::<f64>().map(|v| v / 100.0),
+        None => t.parse::<f64>(),
+    }
+    .map_err(|_| format!("`{s}`: give a share of --dram, as 6.25% or 0.0625"))?;
+    if !(0.0..1.0).contains(&v) {
+        return Err(format!(
+            "`{s}`: the pool's share of --dram must be at least 0 and below 100%"
+        ));
+    }
+    Ok(v)
+}
+
+fn ratio(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if (1.0..=64.0).contains(&v) => Ok(v),
+        _ => Err(format!("`{s}`: give pages per page of pool, from 1 to 64")),
+    }
 }
 
 /// A `--trace-format`: a format, or none to tell it from the file.
@@ -132,6 +170,7 @@ fn latency(a: &SimArgs) -> Result<Latency> {
         dram_ns: a.dram_latency.max(1e-3),
         tier_ns,
         soft_ns: a.soft_latency,
+        compressed_ns: a.compressed_latency,
     })
 }
 
@@ -269,15 +308,35 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
             );
         }
     }
+    let shares: Vec<f64> = if a.compressed.is_empty() {
+        vec![0.0]
+    } else {
+        a.compressed.clone()
+    };
+    let leveled = shares.iter().any(|&s| s > 0.0);
+    if !leveled && (a.ratio != 2.0 || a.compressed_latency != 15_000.0) {
+        bail!("--ratio and --compressed-latency describe the pool of --compressed");
+    }
+    let ratio = a.ratio;
     let jobs: Vec<Job> = sizes
         .iter()
         .flat_map(|&d| {
+            let shares = shares.clone();
             policies
                 .iter()
                 .filter(move |p| d >= ENGINE_MIN_PAGES || !engine_modelled(p))
-                .map(move |p| Job {
-                    policy: p.clone(),
-                    dram_pages: d,
+                .flat_map(move |p| {
+                    // opt and memory-mode keep no pool: once each.
+                    let kept = if p != "opt" && p != "memory-mode" {
+                        shares.clone()
+                    } else {
+                        vec![0.0]
+                    };
+                    kept.into_iter().map(move |s| Job {
+                        pool_pages: (d.min(pages) as f64 * s) as u64,
+                        ratio,
+                        ..Job::new(p.clone(), d)
+                    })
                 })
         })
         .collect();
@@ -318,8 +377,31 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
         .max()
         .unwrap_or(0)
         .max(10);
+    // With --compressed: the pool's share of DRAM and the misses it served.
+    let pool_share = |o: &memtide_sim::Outcome| {
+        if o.pool_pages == 0 {
+            "-".to_string()
+        } else {
+            format!(
+                "{:.1}%",
+                o.pool_pages as f64 * 100.0 / o.dram_pages.max(1) as f64
+            )
+        }
+    };
+    let pool_head = if leveled {
+        format!(" {:>6} {:>12}", "pool", "from pool")
+    } else {
+        String::new()
+    };
+    let pool_row = |o: &memtide_sim::Outcome, share: String| {
+        if leveled {
+            format!(" {share:>6} {:>12}", o.compressed_hits)
+        } else {
+            String::new()
+        }
+    };
     println!(
-        "{:<10} {:<pw$} {:>12} {:>9} {:>10} {:>8} {:>11} {:>11} {:>9} {:>7} {:>9} {:>9}",
+        "{:<10} {:<pw$}{pool_head} {:>12} {:>9} {:>10} {:>8} {:>11} {:>11} {:>9} {:>7} {:>9} {:>9}",
         "DRAM",
         "policy",
         "misses",
@@ -347,9 +429,10 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
             });
             let slow = o.slowdown(&lat);
             println!(
-                "{:<10} {:<pw$} {:>12} {:>8.3}% {:>9.3}% {:>8} {:>11} {:>11} {:>8.2}x {:>6.1}% {:>9.1} {:>10.1}",
+                "{:<10} {:<pw$}{} {:>12} {:>8.3}% {:>9.3}% {:>8} {:>11} {:>11} {:>8.2}x {:>6.1}% {:>9.1} {:>10.1}",
                 size::format(d * 4096),
                 o.policy,
+                pool_row(o, pool_share(o)),
                 o.misses,
                 o.miss_ratio() * 100.0,
                 o.miss_ratio_with_first_touches() * 100.0,
@@ -358,7 +441,7 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
                 o.writebacks,
                 slow,
                 (1.0 - 1.0 / slow) * 100.0,
-                bandwidth(o.misses, o),
+                bandwidth(o.file_misses(), o),
                 bandwidth(o.writebacks, o)
             );
             if o.tenant_accesses.len() > 1 {
@@ -375,18 +458,30 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
                 "miss_ratio_with_first_touches": o.miss_ratio_with_first_touches(),
                 "misses_vs_opt": vs_opt,
                 "slowdown": slow,
-                "tier_read_mb_per_sec": bandwidth(o.misses, o),
+                "tier_read_mb_per_sec": bandwidth(o.file_misses(), o),
                 "tier_write_mb_per_sec": bandwidth(o.writebacks, o),
             }));
         }
     }
     if sizes.len() >= 2 {
-        let series = policies
+        // One line per policy, and per pool share when several are compared.
+        let mut lines: Vec<(String, f64)> = Vec::new();
+        for o in &out {
+            let share = o.pool_pages as f64 / o.dram_pages.max(1) as f64;
+            let share = (share * 1000.0).round() / 1000.0;
+            if !lines.iter().any(|(p, s)| *p == o.policy && *s == share) {
+                lines.push((o.policy.clone(), share));
+            }
+        }
+        let series = lines
             .iter()
-            .map(|p| {
+            .map(|(p, share)| {
                 let mut points: Vec<(f64, f64)> = out
                     .iter()
-                    .filter(|o| &o.policy == p)
+                    .filter(|o| {
+                        let s = o.pool_pages as f64 / o.dram_pages.max(1) as f64;
+                        &o.policy == p && ((s * 1000.0).round() / 1000.0) == *share
+                    })
                     .map(|o| {
                         let slow = o.slowdown(&lat);
                         (o.dram_pages as f64 / pages as f64, 1.0 - 1.0 / slow)
@@ -394,7 +489,11 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
                     .collect();
                 points.sort_by(|a, b| a.0.total_cmp(&b.0));
                 memtide_bench::plot::Series {
-                    name: p.clone(),
+                    name: if leveled {
+                        format!("{p}, pool {:.1}%", share * 100.0)
+                    } else {
+                        p.clone()
+                    },
                     points,
                 }
             })

@@ -68,6 +68,58 @@ fn example_plan_is_consistent() {
             .count(),
         2
     );
+    // The example's cache gives a ratio, so each of its points is the best of five splits, the
+    // file alone among them: never more loss than the same tenant without a ratio.
+    assert!(out.contains("of it pool"), "{out}");
+    let without = s.path().join("noratio.toml");
+    let text = std::fs::read_to_string(example()).unwrap();
+    std::fs::write(
+        &without,
+        text.lines()
+            .filter(|l| !l.starts_with("ratio"))
+            .collect::<Vec<_>>()
+            .join("\n"),
+    )
+    .unwrap();
+    let json2 = s.path().join("noratio.json");
+    let o = memtide()
+        .args(["plan", "--tenants"])
+        .arg(&without)
+        .args(["--dram-cost", "3.0/GiB", "--tier-cost", "0.1/GiB", "--json"])
+        .arg(&json2)
+        .arg("--plot")
+        .arg(s.path().join("noratio.svg"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!String::from_utf8_lossy(&o.stdout).contains("of it pool"));
+    let v2: serde_json::Value = serde_json::from_slice(&std::fs::read(&json2).unwrap()).unwrap();
+    let curve = |v: &serde_json::Value| -> Vec<(f64, f64)> {
+        let t = v["tenants"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["name"] == "cache")
+            .unwrap();
+        t["curve"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| {
+                (
+                    p["slowdown"].as_f64().unwrap(),
+                    p["pool_share"].as_f64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    let (with, plain) = (curve(&v), curve(&v2));
+    let shares = [0.0, 1.0 / 16.0, 1.0 / 8.0, 1.0 / 4.0, 1.0 / 2.0];
+    for (w, p) in with.iter().zip(&plain) {
+        assert!(w.0 <= p.0, "with a pool {} against {}", w.0, p.0);
+        assert!(shares.iter().any(|s| (w.1 - s).abs() < 1e-3), "{}", w.1);
+        assert_eq!(p.1, 0.0);
+    }
 }
 
 #[test]
@@ -112,6 +164,11 @@ fn bad_input_is_one_line() {
         "[host]\ndram='64GiB'\n[[tenant]]\nname='a'\nfootprint='1GiB'\nactiv='1GiB'\n",
     );
     with(&f, &costs, "unknown field `activ`");
+    let f = write(
+        "ratio.toml",
+        "[host]\ndram='64GiB'\n[[tenant]]\nname='a'\nfootprint='1GiB'\nactive='1GiB'\nratio=0.5\n",
+    );
+    with(&f, &costs, "from 1 to 64");
     let f = write(
         "size.toml",
         "[host]\ndram='lots'\n[[tenant]]\nname='a'\nfootprint='1GiB'\nactive='1GiB'\n",

@@ -42,6 +42,30 @@ fn corpus_json(s: &Scratch, args: &[&str]) -> (String, serde_json::Value) {
 #[test]
 fn bad_input_is_one_line() {
     fails_with(
+        &["sim", "--workload", "uniform", "--compressed", "100%"],
+        "below 100%",
+    );
+    fails_with(
+        &["sim", "--workload", "uniform", "--compressed", "a lot"],
+        "share of --dram",
+    );
+    fails_with(
+        &[
+            "sim",
+            "--workload",
+            "uniform",
+            "--compressed",
+            "5%",
+            "--ratio",
+            "0.5",
+        ],
+        "from 1 to 64",
+    );
+    fails_with(
+        &["sim", "--workload", "uniform", "--ratio", "3"],
+        "describe the pool of --compressed",
+    );
+    fails_with(
         &["sim", "--workload", "zipfy:skew=1"],
         "unknown workload kind",
     );
@@ -280,6 +304,67 @@ fn replay_writes_json_with_opt_lowest() {
             let got = r["tier_read_mb_per_sec"].as_f64().unwrap();
             assert!((got - want).abs() <= want * 1e-9 + 1e-9, "{got} vs {want}");
         }
+    }
+}
+
+#[test]
+fn a_compressed_pool_serves_misses_of_pages_that_left_last() {
+    let s = Scratch::new("simpool");
+    let (o, v) = sim_json(
+        &s,
+        "pool",
+        &[
+            "--workload",
+            "hotcold:footprint=64MiB,hot=20%,share=90%,accesses=2M,warmup=1M",
+            "--dram",
+            "50%",
+            "--policy",
+            "lru,sweep,opt",
+            "--compressed",
+            "0,25%",
+            "--ratio",
+            "3",
+            "--compressed-latency",
+            "10us",
+        ],
+    );
+    let table = String::from_utf8_lossy(&o.stdout);
+    assert!(table.contains("from pool"), "{table}");
+    let rows = v["results"].as_array().unwrap();
+    // lru and sweep with and without the pool; opt once (it keeps none).
+    assert_eq!(rows.len(), 5);
+    let row = |p: &str, pool: bool| {
+        rows.iter()
+            .find(|r| r["outcome"]["policy"] == p && (r["outcome"]["pool_pages"] != 0) == pool)
+            .unwrap()
+    };
+    assert!(
+        rows.iter()
+            .filter(|r| r["outcome"]["policy"] == "opt")
+            .count()
+            == 1
+    );
+    for p in ["lru", "sweep"] {
+        let (without, with) = (row(p, false), row(p, true));
+        let hits = with["outcome"]["compressed_hits"].as_u64().unwrap();
+        let misses = with["outcome"]["misses"].as_u64().unwrap();
+        // A quarter of the 8192 pages of DRAM, holding 3 each: 6144 of the 10240 pages out.
+        assert_eq!(with["outcome"]["pool_pages"], 2048, "{p}");
+        assert!(hits > 0 && hits < misses, "{p}: {hits} of {misses}");
+        assert_eq!(without["outcome"]["compressed_hits"], 0, "{p}");
+        // Fewer pages in use miss more, but a pool hit costs 10 µs where a file miss costs 80.
+        assert!(
+            misses > without["outcome"]["misses"].as_u64().unwrap(),
+            "{p}"
+        );
+        let file = (misses - hits) as f64;
+        let want = 1.0
+            + (file * 80e3
+                + hits as f64 * 10e3
+                + with["outcome"]["soft_faults"].as_f64().unwrap() * 6e3)
+                / (2e6 * 100.0);
+        let got = with["slowdown"].as_f64().unwrap();
+        assert!((got - want).abs() < 1e-9 * want, "{p}: {got} vs {want}");
     }
 }
 

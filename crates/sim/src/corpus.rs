@@ -158,10 +158,7 @@ pub fn run(
                 ["placement-exact", "placement"]
                     .into_iter()
                     .chain(ONLINE)
-                    .map(move |p| Job {
-                        policy: p.into(),
-                        dram_pages: d,
-                    })
+                    .map(move |p| Job::new(p, d))
             })
             .collect();
         // The same family with each seed (1 is the default); outcomes are summed over them.

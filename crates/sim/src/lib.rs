@@ -10,7 +10,7 @@ pub mod policies;
 pub mod trace;
 pub mod workload;
 
-pub use policies::{Latency, Outcome};
+pub use policies::{Latency, Outcome, PoolModel};
 pub use trace::{Trace, TraceError};
 pub use workload::{Spec, SpecError};
 
@@ -143,7 +143,30 @@ pub enum SimError {
 #[derive(Clone, Debug)]
 pub struct Job {
     pub policy: String,
+    /// All the DRAM: the pages in use and, if `pool_pages` is not 0, the compressed pool.
     pub dram_pages: u64,
+    /// Of `dram_pages`, the DRAM the compressed pool takes (0: no compressed level).
+    pub pool_pages: u64,
+    /// Pages the pool holds per page of its DRAM (the compression ratio, with the pool's
+    /// packing losses).
+    pub ratio: f64,
+}
+
+impl Job {
+    /// A replay of `policy` with `dram_pages` of DRAM and no compressed level.
+    pub fn new(policy: impl Into<String>, dram_pages: u64) -> Job {
+        Job {
+            policy: policy.into(),
+            dram_pages,
+            pool_pages: 0,
+            ratio: 1.0,
+        }
+    }
+
+    /// Pages the pool holds.
+    fn pool_capacity(&self) -> u64 {
+        (self.pool_pages as f64 * self.ratio.max(0.0)) as u64
+    }
 }
 
 /// Runs every job over the workload, `threads` at a time (each job regenerates the same
@@ -188,7 +211,14 @@ pub fn simulate(
 
 fn run_job(spec: &Source, job: &Job, lat: &Latency) -> Outcome {
     let pages = spec.pages();
-    let cap = job.dram_pages.min(pages).max(1);
+    let dram = job.dram_pages.min(pages).max(1);
+    // The pool's DRAM is taken from the pages in use (opt and memory-mode keep no pool).
+    let leveled = job.pool_pages > 0 && job.policy != "opt" && job.policy != "memory-mode";
+    let cap = if leveled {
+        dram.saturating_sub(job.pool_pages).max(1)
+    } else {
+        dram
+    };
     let fill = spec.fill();
     let fill_pass = (0..fill).map(|p| (p, true));
     if job.policy == "opt" {
@@ -199,16 +229,33 @@ fn run_job(spec: &Source, job: &Job, lat: &Latency) -> Outcome {
         return policies::opt(&trace, pages, cap, (fill + spec.warmup()) as usize);
     }
     let mut p = policies::by_name(&job.policy, pages, cap, lat).expect("policy checked");
-    let mut warm = Outcome::default();
+    let mut warm = Outcome {
+        pool: leveled.then(|| Box::new(PoolModel::new(pages, job.pool_capacity()))),
+        ..Outcome::default()
+    };
     let mut stream = spec.stream();
     for (page, write) in fill_pass.chain(stream.by_ref().take(spec.warmup() as usize)) {
         p.access(page, write, &mut warm);
     }
-    let mut o = Outcome {
+    let o = Outcome {
         policy: job.policy.clone(),
-        dram_pages: cap,
+        dram_pages: dram,
+        pool_pages: if leveled { dram - cap } else { 0 },
+        pool: warm.pool.take(),
         ..Outcome::default()
     };
+    let mut o = run_counted(spec, &mut *p, stream, o);
+    o.pool = None;
+    o
+}
+
+/// Replays the counted part of the stream into `o` (after the fill and the warm-up).
+fn run_counted(
+    spec: &Source,
+    p: &mut dyn policies::Policy,
+    mut stream: Box<dyn Iterator<Item = (u64, bool)> + '_>,
+    mut o: Outcome,
+) -> Outcome {
     let tenants = spec.tenants();
     if tenants > 1 {
         let bases = spec.tenant_bases();

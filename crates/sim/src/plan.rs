@@ -11,6 +11,8 @@ use serde::Serialize;
 #[derive(Clone, Copy, Debug, Serialize, PartialEq)]
 pub struct Point {
     pub fraction: f64,
+    /// Of that DRAM, the share the compressed pool takes (the split that lost least; 0: none).
+    pub pool_share: f64,
     /// Tier-1 reads per access.
     pub miss_ratio: f64,
     /// Tier-1 writes per access.
@@ -267,6 +269,7 @@ mod tests {
                 .iter()
                 .map(|&(fraction, miss_ratio)| Point {
                     fraction,
+                    pool_share: 0.0,
                     miss_ratio,
                     write_ratio: 0.0,
                     // 100 ns per access, 80 µs per miss.

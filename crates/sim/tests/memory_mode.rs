@@ -8,6 +8,7 @@ const LAT: Latency = Latency {
     dram_ns: 100.0,
     tier_ns: 2_000.0,
     soft_ns: 500.0,
+    compressed_ns: 15_000.0,
 };
 
 fn spec(s: &str) -> Source {
@@ -20,10 +21,7 @@ fn spec(s: &str) -> Source {
 }
 
 fn run(src: &Source, policy: &str, cache: u64) -> Outcome {
-    let jobs = [Job {
-        policy: policy.into(),
-        dram_pages: cache,
-    }];
+    let jobs = [Job::new(policy, cache)];
     simulate(src, &jobs, &LAT, 1, &|_, _| {}).unwrap().remove(0)
 }
 

@@ -27,7 +27,7 @@ impl Residency {
         if st & 3 == NEVER {
             o.first_touches += 1;
         } else {
-            o.misses += 1;
+            o.missed(p);
         }
         self.state[p as usize] = IN_DRAM | (st & DIRTY);
     }
@@ -39,6 +39,7 @@ impl Residency {
             o.writebacks += 1;
         }
         self.state[p as usize] = OUT;
+        o.left(p);
     }
 
     pub fn write(&mut self, p: u32) {

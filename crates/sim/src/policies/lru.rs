@@ -91,6 +91,7 @@ impl Lru {
                     o.writebacks += 1;
                 }
                 self.page[q as usize] = TOUCHED;
+                o.left(q);
                 self.len -= 1;
                 return;
             }
@@ -132,7 +133,7 @@ impl Policy for Lru {
                 self.evict(o);
             }
             if w & TOUCHED != 0 {
-                o.misses += 1;
+                o.missed(page as u32);
             } else {
                 o.first_touches += 1;
             }

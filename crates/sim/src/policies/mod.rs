@@ -33,11 +33,17 @@ use serde::Serialize;
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
 pub struct Outcome {
     pub policy: String,
+    /// All the DRAM, the compressed pool's included.
     pub dram_pages: u64,
+    /// Of `dram_pages`, the compressed pool's (0: no compressed level).
+    pub pool_pages: u64,
     pub accesses: u64,
     pub first_touches: u64,
-    /// Accesses served from tier 1.
+    /// Accesses to pages out of DRAM: served from the compressed level (`compressed_hits` of
+    /// them, when a pool is modelled) or from the file.
     pub misses: u64,
+    /// Misses served from the compressed pool (a decompression, no I/O).
+    pub compressed_hits: u64,
     /// Accesses to pages in memtide's inactive list (DRAM, but a fault).
     pub soft_faults: u64,
     /// Pages moved out of DRAM.
@@ -51,6 +57,71 @@ pub struct Outcome {
     pub tenant_accesses: Vec<u64>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub tenant_misses: Vec<u64>,
+    /// The compressed level being replayed, if any (state, not a count).
+    #[serde(skip)]
+    pub pool: Option<Box<PoolModel>>,
+}
+
+/// The compressed level as the engine keeps it: a page leaving DRAM goes into a pool that
+/// holds `cap` pages (its DRAM times the compression ratio); when the pool is full, the page
+/// that went in longest ago goes on to the file (the engine writes its oldest objects back).
+/// A page brought back into DRAM leaves the pool.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PoolModel {
+    cap: u64,
+    live: u64,
+    seq: u64,
+    /// Per page: the number of its entry while it is in the pool, 0 otherwise.
+    entry: Vec<u64>,
+    /// Entries in the order they went in; an entry whose page no longer names it is stale.
+    order: std::collections::VecDeque<(u32, u64)>,
+}
+
+impl PoolModel {
+    /// A pool holding at most `cap` of `pages` pages.
+    pub fn new(pages: u64, cap: u64) -> PoolModel {
+        PoolModel {
+            cap,
+            entry: vec![0; pages as usize],
+            ..PoolModel::default()
+        }
+    }
+
+    /// Page `p` leaves DRAM: into the pool, which sends its oldest on to the file if full.
+    fn leave(&mut self, p: u32) {
+        if self.cap == 0 {
+            return;
+        }
+        self.seq += 1;
+        self.entry[p as usize] = self.seq;
+        self.order.push_back((p, self.seq));
+        self.live += 1;
+        while self.live > self.cap {
+            let (q, e) = self
+                .order
+                .pop_front()
+                .expect("live entries are in the order");
+            if self.entry[q as usize] == e {
+                self.entry[q as usize] = 0;
+                self.live -= 1;
+            }
+        }
+        if self.order.len() as u64 > 2 * self.live + 4096 {
+            let entry = &self.entry;
+            self.order.retain(|&(q, e)| entry[q as usize] == e);
+        }
+    }
+
+    /// Page `p` comes back into DRAM: whether the pool held it.
+    fn arrive(&mut self, p: u32) -> bool {
+        let e = &mut self.entry[p as usize];
+        if *e == 0 {
+            return false;
+        }
+        *e = 0;
+        self.live -= 1;
+        true
+    }
 }
 
 /// A replacement policy at a fixed DRAM size.
@@ -135,16 +206,44 @@ pub struct Latency {
     pub tier_ns: f64,
     /// Cost of a soft (inactive-list) fault.
     pub soft_ns: f64,
+    /// Cost of a miss served from the compressed pool (fault, decompression, map).
+    pub compressed_ns: f64,
 }
 
 impl Outcome {
+    /// Page `p` left DRAM (into the pool, when one is modelled).
+    pub(crate) fn left(&mut self, p: u32) {
+        if let Some(pool) = &mut self.pool {
+            pool.leave(p);
+        }
+    }
+
+    /// A miss on page `p`: from the pool if it holds the page, else from the file.
+    pub(crate) fn missed(&mut self, p: u32) {
+        self.misses += 1;
+        if let Some(pool) = &mut self.pool {
+            if pool.arrive(p) {
+                self.compressed_hits += 1;
+            }
+        }
+    }
+
+    /// Misses served from the file.
+    pub fn file_misses(&self) -> u64 {
+        self.misses - self.compressed_hits
+    }
+
     /// Estimated run time relative to all-DRAM.
     pub fn slowdown(&self, lat: &Latency) -> f64 {
         let base = self.accesses as f64 * lat.dram_ns;
         if base == 0.0 {
             return 1.0;
         }
-        (base + self.misses as f64 * lat.tier_ns + self.soft_faults as f64 * lat.soft_ns) / base
+        (base
+            + self.file_misses() as f64 * lat.tier_ns
+            + self.compressed_hits as f64 * lat.compressed_ns
+            + self.soft_faults as f64 * lat.soft_ns)
+            / base
     }
 
     /// Adds the counts of `o`, the same policy at the same size on another run (another seed),
@@ -153,6 +252,7 @@ impl Outcome {
         self.accesses += o.accesses;
         self.first_touches += o.first_touches;
         self.misses += o.misses;
+        self.compressed_hits += o.compressed_hits;
         self.soft_faults += o.soft_faults;
         self.demotions += o.demotions;
         self.writebacks += o.writebacks;
@@ -266,7 +366,7 @@ mod tests {
         #[test]
         fn opt_never_misses_more_than_any_policy((trace, pages, cap) in trace_strategy()) {
             let best = opt(&trace, pages, cap, 0).misses;
-            let lat = Latency { dram_ns: 100.0, tier_ns: 80_000.0, soft_ns: 6_000.0 };
+            let lat = Latency { dram_ns: 100.0, tier_ns: 80_000.0, soft_ns: 6_000.0, compressed_ns: 15_000.0 };
             // memtide keeps at least 16 pages (the engine's smallest quota).
             let memtide = (cap >= 16).then_some("placement");
             for name in ["lru", "clock", "gclock", "lfu", "arc", "2q", "s3fifo", "sieve"]
@@ -432,6 +532,7 @@ mod tests {
             dram_ns: 100.0,
             tier_ns: 80_000.0,
             soft_ns: 6_000.0,
+            compressed_ns: 15_000.0,
         };
         let mut r = Rng::new(7);
         let trace: Vec<(u32, bool)> = (0..400_000)
@@ -460,5 +561,54 @@ mod tests {
             best.misses
         );
         assert!(o.slowdown(&lat) > 1.0);
+    }
+
+    #[test]
+    fn the_pool_keeps_the_pages_that_left_last() {
+        let mut pool = PoolModel::new(10, 2);
+        for p in [1, 2, 3] {
+            pool.leave(p);
+        }
+        // Holding two, it sent 1 on to the file.
+        assert!(!pool.arrive(1));
+        assert!(pool.arrive(3));
+        // 3 came back: its room holds the next one, and 2 stays.
+        pool.leave(4);
+        assert!(pool.arrive(2));
+        assert!(pool.arrive(4));
+        assert!(!pool.arrive(4));
+        assert_eq!(pool.live, 0);
+    }
+
+    #[test]
+    fn misses_from_the_pool_are_counted_and_priced() {
+        // A loop over 12 pages under LRU with 4 pages in use misses on every access, and each
+        // miss makes room first: a page comes back 9 departures after its own. A pool holding
+        // 9 serves every one of those misses, one holding 8 none.
+        let lat = Latency {
+            dram_ns: 100.0,
+            tier_ns: 80_000.0,
+            soft_ns: 6_000.0,
+            compressed_ns: 10_000.0,
+        };
+        let run = |pool_cap: u64| {
+            let mut lru = Lru::new(12, 4);
+            let mut o = Outcome {
+                pool: Some(Box::new(PoolModel::new(12, pool_cap))),
+                ..Outcome::default()
+            };
+            for i in 0..12 * 50u64 {
+                o.accesses += 1;
+                lru.access(i % 12, false, &mut o);
+            }
+            o
+        };
+        let all = run(9);
+        assert_eq!(all.misses, 12 * 49);
+        assert_eq!(all.compressed_hits, all.misses);
+        let none = run(8);
+        assert_eq!(none.misses, 12 * 49);
+        assert_eq!(none.compressed_hits, 0);
+        assert!(all.slowdown(&lat) < none.slowdown(&lat) / 7.0);
     }
 }

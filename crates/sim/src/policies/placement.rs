@@ -107,6 +107,7 @@ impl Pages for SimPages<'_> {
             self.o.writebacks += 1;
         }
         self.state[i] = OUT;
+        self.o.left(i as u32);
         *self.resident -= 1;
         true
     }
@@ -143,7 +144,7 @@ impl Policy for Placement {
                 if w == NEVER {
                     o.first_touches += 1;
                 } else {
-                    o.misses += 1;
+                    o.missed(p as u32);
                 }
                 self.state[p] = IN_DRAM | (st & DIRTY);
                 self.resident += 1;

@@ -135,6 +135,7 @@ impl Relieve for Pressure<'_> {
                 self.o.writebacks += 1;
             }
             m.state[p] = OUT;
+            self.o.left(p as u32);
             m.staged -= 1;
             m.resident -= 1;
             moved += 1;
@@ -206,7 +207,7 @@ impl Policy for Sweep {
                     o.first_touches += 1;
                     self.touched_max = self.touched_max.max(p + 1);
                 } else {
-                    o.misses += 1;
+                    o.missed(p as u32);
                     self.now_ns += self.miss_ns;
                 }
                 self.state[p] = IN_DRAM;
