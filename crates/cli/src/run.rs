@@ -446,7 +446,8 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
 /// Turns the raw recordings in `dir` (one per process) into one `.mtt` trace at `to`, each
 /// process a tenant, in time order. Returns the events written and those the engines dropped.
 fn write_trace(dir: &Path, to: &Path) -> Result<(u64, u64)> {
-    use memtide_sim::trace::{Record, Writer};
+    use memtide_engine::Event;
+    use memtide_sim::trace::{Level, Record, Writer};
     let mut files: Vec<(u32, PathBuf)> = std::fs::read_dir(dir)?
         .flatten()
         .filter_map(|e| {
@@ -460,7 +461,7 @@ fn write_trace(dir: &Path, to: &Path) -> Result<(u64, u64)> {
         })
         .collect();
     files.sort();
-    let mut events: Vec<Record> = Vec::new();
+    let mut events: Vec<(Record, Level)> = Vec::new();
     for (tenant, (_, path)) in files.iter().enumerate() {
         let raw = std::fs::read(path)?;
         let decoded: Vec<(u64, u64, u64)> = raw
@@ -468,7 +469,8 @@ fn write_trace(dir: &Path, to: &Path) -> Result<(u64, u64)> {
             .map(|rec| {
                 let time = u64::from_le_bytes(rec[..8].try_into().expect("8 bytes"));
                 let word = u64::from_le_bytes(rec[8..].try_into().expect("8 bytes"));
-                (time, word >> 2, word & 3)
+                let kind = word & ((1 << Event::BITS) - 1);
+                (time, word >> Event::BITS, kind)
             })
             .collect();
         // A page first touched again was freed or discarded in between: to the simulator,
@@ -477,7 +479,12 @@ fn write_trace(dir: &Path, to: &Path) -> Result<(u64, u64)> {
         let mut next = decoded.iter().map(|e| e.1 + 1).max().unwrap_or(0);
         let mut name: std::collections::HashMap<u64, u64> = std::collections::HashMap::new();
         for (time, page, kind) in decoded {
-            let first = kind == memtide_engine::Event::FirstTouch as u64;
+            let first = kind == Event::FirstTouch as u64;
+            let level = match kind {
+                k if k == Event::TierFault as u64 => Level::File,
+                k if k == Event::PoolFault as u64 => Level::Pool,
+                _ => Level::Dram,
+            };
             let id = match name.get(&page) {
                 Some(_) if first => {
                     next += 1;
@@ -490,26 +497,29 @@ fn write_trace(dir: &Path, to: &Path) -> Result<(u64, u64)> {
                     page
                 }
             };
-            events.push(Record {
-                time_ns: time,
-                tenant: tenant as u32,
-                page: id,
-                write: false,
-            });
+            events.push((
+                Record {
+                    time_ns: time,
+                    tenant: tenant as u32,
+                    page: id,
+                    write: false,
+                },
+                level,
+            ));
         }
     }
-    events.sort_by_key(|r| r.time_ns);
+    events.sort_by_key(|r| r.0.time_ns);
     let dropped: u64 = summary::collect(dir)
         .latest
         .values()
         .map(|s| s.recorded_dropped)
         .sum();
-    let mut w = Writer::new(
+    let mut w = Writer::with_levels(
         std::io::BufWriter::new(std::fs::File::create(to)?),
         memtide_policy::PAGE_SIZE as u32,
     )?;
-    for r in &events {
-        w.record(*r)?;
+    for &(r, level) in &events {
+        w.record_at(r, level)?;
     }
     w.finish()?;
     Ok((events.len() as u64, dropped))

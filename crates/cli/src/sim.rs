@@ -243,13 +243,18 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
                 std::fs::read(p).with_context(|| format!("cannot read trace {}", p.display()))?;
             let t = import::load(p, data, a.trace_format.and_then(|f| f.0))
                 .map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
-            let label = format!(
+            let mut label = format!(
                 "trace {}: {} records, {} tenants, {} pages",
                 p.display(),
                 t.records,
                 t.tenant_pages.len(),
                 t.tenant_pages.iter().sum::<u64>()
             );
+            if let Some([_, dram, pool, file]) = t.levels {
+                label += &format!(
+                    "; as recorded, {dram} first touches and hint faults, {pool} from the compressed pool, {file} from the file"
+                );
+            }
             (Source::Trace(t), label)
         }
         (None, None) => bail!("give --workload or --trace"),

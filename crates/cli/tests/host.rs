@@ -938,9 +938,16 @@ fn top_and_dashboard_show_every_tenant_and_a_red_one_red() {
             })
             .collect();
         assert!(
-            points.len() >= 5 && points.iter().all(|&n| n >= 2),
+            points.len() >= 11 && points.iter().all(|&n| n >= 2),
             "{name}'s charts have too little data: {points:?}"
         );
+        // The levels below DRAM: the pool's DRAM and what it holds, the file; faults by level.
+        for series in ["pool DRAM", "in the pool", "in the file", "compressed pool"] {
+            assert!(
+                card.contains(&format!("data-series=\"{series}\"")),
+                "{name}: no {series} series"
+            );
+        }
     }
     let shot = dir.path().join("dashboard.png");
     let o = browser(&[&format!("--screenshot={}", shot.display())]);

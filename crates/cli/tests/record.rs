@@ -86,6 +86,53 @@ fn a_recorded_run_replays_to_the_engines_tier_faults() {
 }
 
 #[test]
+fn a_recorded_run_says_which_level_served_each_fault() {
+    let dir = Scratch::new("recordlevels");
+    let trace = dir.path().join("run.mtt");
+    let stats = dir.path().join("run.json");
+    // Pages half random, half zero: the pool takes them, and its oldest go on to the file.
+    let o = memtide()
+        .args(["run", "--dram", "64MiB", "--tier"])
+        .arg(dir.path())
+        .arg("--record")
+        .arg(&trace)
+        .arg("--stats")
+        .arg(&stats)
+        .args(["-q", "--"])
+        .arg(env!("CARGO_BIN_EXE_memtide"))
+        .args(["workload", "--footprint", "256MiB", "--contents", "2x"])
+        .args(["--seconds", "3", "--warmup", "1"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    let st = main_stats(&stats);
+    let n = |k: &str| st[k].as_u64().unwrap();
+    assert_eq!(n("recorded_dropped"), 0, "the recording fell behind");
+    let t = memtide_sim::Trace::parse(std::fs::read(&trace).unwrap()).unwrap();
+    let [unknown, dram, pool, file] = t.levels.expect("a recorded trace has levels");
+    assert_eq!(unknown, 0);
+    assert_eq!(pool, n("faults_compressed"));
+    assert_eq!(file, n("faults_tier") - n("faults_compressed"));
+    assert_eq!(dram, n("faults_zero") + n("faults_inactive"));
+    assert!(pool > 1000 && file > 1000, "pool {pool}, file {file}");
+    // `memtide sim` tells them.
+    let o = memtide()
+        .args(["sim", "--trace"])
+        .arg(&trace)
+        .args(["--dram", "64MiB", "--policy", "sweep"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    let err = common::stderr(&o);
+    assert!(
+        err.contains(&format!(
+            "{pool} from the compressed pool, {file} from the file"
+        )),
+        "{err}"
+    );
+}
+
+#[test]
 fn record_needs_a_writable_file() {
     common::fails_with(
         &[

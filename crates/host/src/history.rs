@@ -23,6 +23,14 @@ pub struct TenantPoint {
     /// Tier bandwidth since the sample before, bytes per second.
     pub read_bytes_per_second: f64,
     pub write_bytes_per_second: f64,
+    /// The levels below DRAM: the compressed pool's DRAM (part of `dram_bytes`), the pages it
+    /// holds (uncompressed bytes), and the file's bytes.
+    pub pool_bytes: u64,
+    pub compressed_bytes: u64,
+    pub file_bytes: u64,
+    /// Faults served from each level since the sample before, per second.
+    pub compressed_faults_per_second: f64,
+    pub file_faults_per_second: f64,
     pub health: String,
 }
 
@@ -45,8 +53,19 @@ pub struct Point {
 #[derive(Default)]
 pub struct History {
     points: VecDeque<Point>,
-    /// Each tenant's tier byte counters at the sample before (for bandwidth).
-    last: Vec<(u64, f64, u64, u64)>,
+    /// Each tenant's counters at the sample before (for rates).
+    last: Vec<Counts>,
+}
+
+/// A tenant's counters at a sample.
+#[derive(Clone, Copy)]
+struct Counts {
+    tenant: u64,
+    t: f64,
+    read_bytes: u64,
+    write_bytes: u64,
+    faults_tier: u64,
+    faults_compressed: u64,
 }
 
 impl History {
@@ -55,15 +74,23 @@ impl History {
         let mut tenants = Vec::with_capacity(s.tenants.len());
         let mut last = Vec::with_capacity(s.tenants.len());
         for ts in &s.tenants {
-            let (r, w) = (ts.report.tier_read_bytes, ts.report.tier_write_bytes);
-            let (rate_r, rate_w) = match self.last.iter().find(|l| l.0 == ts.tenant) {
-                Some(&(_, t0, r0, w0)) if t > t0 => (
-                    r.saturating_sub(r0) as f64 / (t - t0),
-                    w.saturating_sub(w0) as f64 / (t - t0),
-                ),
-                _ => (0.0, 0.0),
+            let now = Counts {
+                tenant: ts.tenant,
+                t,
+                read_bytes: ts.report.tier_read_bytes,
+                write_bytes: ts.report.tier_write_bytes,
+                faults_tier: ts.report.faults_tier,
+                faults_compressed: ts.report.faults_compressed,
             };
-            last.push((ts.tenant, t, r, w));
+            let before = self.last.iter().find(|l| l.tenant == ts.tenant && t > l.t);
+            let rate = |of: fn(&Counts) -> u64| {
+                before.map_or(0.0, |b| of(&now).saturating_sub(of(b)) as f64 / (t - b.t))
+            };
+            let (rate_r, rate_w) = (rate(|c| c.read_bytes), rate(|c| c.write_bytes));
+            let compressed = rate(|c| c.faults_compressed);
+            // faults_tier counts both levels.
+            let file = (rate(|c| c.faults_tier) - compressed).max(0.0);
+            last.push(now);
             tenants.push(TenantPoint {
                 tenant: ts.tenant,
                 name: ts.name.clone(),
@@ -73,6 +100,11 @@ impl History {
                 read_p99_us: ts.recent_read_p99_us,
                 read_bytes_per_second: rate_r,
                 write_bytes_per_second: rate_w,
+                pool_bytes: ts.report.compressed_pool_bytes,
+                compressed_bytes: ts.report.compressed_bytes,
+                file_bytes: ts.report.tier_bytes,
+                compressed_faults_per_second: compressed,
+                file_faults_per_second: file,
                 health: ts.health.clone(),
             });
         }
@@ -119,6 +151,10 @@ mod tests {
             ..TenantStatus::default()
         };
         t.report.tier_read_bytes = read;
+        // Faults from below DRAM: 3 per byte read, 1 of them from the pool.
+        t.report.faults_tier = 3 * read;
+        t.report.faults_compressed = read;
+        t.report.compressed_pool_bytes = 1 << 20;
         HostStatus {
             tenants: vec![t],
             ..HostStatus::default()
@@ -132,6 +168,10 @@ mod tests {
         h.record(2.0, &status(4096));
         let p: Vec<&Point> = h.points().collect();
         assert_eq!(p[1].tenants[0].read_bytes_per_second, 2048.0);
+        assert_eq!(p[1].tenants[0].compressed_faults_per_second, 2048.0);
+        assert_eq!(p[1].tenants[0].file_faults_per_second, 4096.0);
+        assert_eq!(p[1].tenants[0].pool_bytes, 1 << 20);
+        assert_eq!(p[0].tenants[0].file_faults_per_second, 0.0);
         h.record(KEEP_SECONDS + 1.0, &status(4096));
         assert_eq!(h.len(), 2, "the sample from t=0 is over an hour old");
         assert_eq!(h.points().next().unwrap().t, 2.0);

@@ -7,12 +7,15 @@
 //! ```text
 //! header   8  magic "MTTRACE\0"
 //!          2  version = 1
-//!          2  flags = 0 (reserved)
+//!          2  flags: bit 0 LEVELS (each record says which level served it); others 0
 //!          4  page size in bytes
 //! records  one per access, LEB128 varints:
 //!            time delta in ns since the previous record
 //!            tag = zigzag(page - previous page of the same stream) << 2
 //!                  | tenant_changed << 1 | write
+//!                  (with LEVELS: zigzag(...) << 4 | level << 2 | tenant_changed << 1 | write,
+//!                  level 0 not said, 1 DRAM (a first touch or a hint fault: nothing read
+//!                  from below DRAM), 2 the compressed pool, 3 the file)
 //!            tenant id, only when tenant_changed (the stream starts at tenant 0)
 //! trailer  8  magic "MTTEND\0\0"
 //!          8  number of records
@@ -43,6 +46,34 @@ pub enum TraceError {
     #[error("trace is corrupted: {0}")]
     Corrupt(&'static str),
 }
+
+/// Which level served a recorded access (in a trace written with levels).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Level {
+    /// Not said (a trace without levels, or an access not recorded by the engine).
+    #[default]
+    Unknown = 0,
+    /// DRAM: a first touch or a hint fault, nothing read from below DRAM.
+    Dram = 1,
+    /// The compressed pool.
+    Pool = 2,
+    /// The file.
+    File = 3,
+}
+
+impl Level {
+    fn from_bits(b: u64) -> Level {
+        match b & 3 {
+            1 => Level::Dram,
+            2 => Level::Pool,
+            3 => Level::File,
+            _ => Level::Unknown,
+        }
+    }
+}
+
+/// Header flag: records carry a [`Level`].
+const FLAG_LEVELS: u16 = 1;
 
 /// One access.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -87,14 +118,26 @@ pub struct Writer<W: Write> {
     last_time: u64,
     last_page: u64,
     tenant: u32,
+    levels: bool,
 }
 
 impl<W: Write> Writer<W> {
-    pub fn new(mut out: W, page_size: u32) -> io::Result<Writer<W>> {
+    /// A trace whose records say nothing of levels.
+    pub fn new(out: W, page_size: u32) -> io::Result<Writer<W>> {
+        Writer::start(out, page_size, false)
+    }
+
+    /// A trace whose records say which level served each ([`Writer::record_at`]).
+    pub fn with_levels(out: W, page_size: u32) -> io::Result<Writer<W>> {
+        Writer::start(out, page_size, true)
+    }
+
+    fn start(mut out: W, page_size: u32, levels: bool) -> io::Result<Writer<W>> {
         let mut h = Vec::with_capacity(HEADER);
         h.extend_from_slice(MAGIC);
         h.extend_from_slice(&VERSION.to_le_bytes());
-        h.extend_from_slice(&0u16.to_le_bytes());
+        let flags = if levels { FLAG_LEVELS } else { 0 };
+        h.extend_from_slice(&flags.to_le_bytes());
         h.extend_from_slice(&page_size.to_le_bytes());
         out.write_all(&h)?;
         Ok(Writer {
@@ -105,18 +148,26 @@ impl<W: Write> Writer<W> {
             last_time: 0,
             last_page: 0,
             tenant: 0,
+            levels,
         })
     }
 
     pub fn record(&mut self, r: Record) -> io::Result<()> {
+        self.record_at(r, Level::Unknown)
+    }
+
+    /// Writes `r`, served from `level` (not written unless the trace has levels).
+    pub fn record_at(&mut self, r: Record, level: Level) -> io::Result<()> {
         let start = self.buf.len();
         put_varint(&mut self.buf, r.time_ns.saturating_sub(self.last_time));
         let changed = r.tenant != self.tenant;
         let delta = r.page.wrapping_sub(self.last_page) as i64;
-        put_varint(
-            &mut self.buf,
-            (zigzag(delta) << 2) | (changed as u64) << 1 | r.write as u64,
-        );
+        let tag = if self.levels {
+            (zigzag(delta) << 4) | (level as u64) << 2
+        } else {
+            zigzag(delta) << 2
+        };
+        put_varint(&mut self.buf, tag | (changed as u64) << 1 | r.write as u64);
         if changed {
             put_varint(&mut self.buf, r.tenant as u64);
         }
@@ -151,6 +202,8 @@ pub struct Trace {
     pub records: u64,
     /// Pages per tenant (highest page + 1), tenant ids 0..len.
     pub tenant_pages: Vec<u64>,
+    /// In a trace with levels: records served from each [`Level`], in its order.
+    pub levels: Option<[u64; 4]>,
     /// A one-tenant trace's accesses as `page << 1 | write`, decoded once by `parse` (which
     /// reads every record anyway) when they take at most [`DECODED_MAX`] bytes, so that
     /// replays need not decode them again.
@@ -173,6 +226,11 @@ impl Trace {
         if version != VERSION {
             return Err(TraceError::Version(version));
         }
+        let flags = u16::from_le_bytes([data[10], data[11]]);
+        if flags & !FLAG_LEVELS != 0 {
+            return Err(TraceError::Corrupt("unknown header flags"));
+        }
+        let levels = flags & FLAG_LEVELS != 0;
         let page_size = u32::from_le_bytes(data[12..16].try_into().expect("4 bytes"));
         if !page_size.is_power_of_two() || page_size < 512 {
             return Err(TraceError::Corrupt("page size is not a power of two"));
@@ -191,17 +249,20 @@ impl Trace {
             page_size,
             records: count,
             tenant_pages: vec![],
+            levels: None,
             data: Vec::new(),
             decoded: None,
         };
+        let mut by_level = [0u64; 4];
         let mut n = 0u64;
         let mut tenant_pages: Vec<u64> = vec![0];
         let mut decoded =
             (count.saturating_mul(8) <= DECODED_MAX).then(|| Vec::with_capacity(count as usize));
         {
-            let mut it = Records::new(body);
+            let mut it = Records::new(body, levels);
             for r in &mut it {
-                let r = r?;
+                let (r, level) = r?;
+                by_level[level as usize] += 1;
                 if r.tenant as usize >= tenant_pages.len() {
                     if r.tenant > 1 << 16 {
                         return Err(TraceError::Corrupt("tenant id out of range"));
@@ -227,6 +288,7 @@ impl Trace {
             return Err(TraceError::Corrupt("record count mismatch"));
         }
         trace.tenant_pages = tenant_pages;
+        trace.levels = levels.then_some(by_level);
         trace.data = data;
         trace.decoded = decoded;
         Ok(trace)
@@ -240,8 +302,17 @@ impl Trace {
 
     /// The records, in order.
     pub fn records(&self) -> impl Iterator<Item = Record> + '_ {
-        Records::new(&self.data[HEADER..self.data.len() - TRAILER])
-            .map(|r| r.expect("validated by parse"))
+        self.records_at().map(|(r, _)| r)
+    }
+
+    /// The records, in order, with the level that served each ([`Level::Unknown`] in a trace
+    /// without levels).
+    pub fn records_at(&self) -> impl Iterator<Item = (Record, Level)> + '_ {
+        Records::new(
+            &self.data[HEADER..self.data.len() - TRAILER],
+            self.levels.is_some(),
+        )
+        .map(|r| r.expect("validated by parse"))
     }
 }
 
@@ -251,16 +322,18 @@ struct Records<'a> {
     time: u64,
     page: u64,
     tenant: u32,
+    levels: bool,
 }
 
 impl<'a> Records<'a> {
-    fn new(body: &'a [u8]) -> Records<'a> {
+    fn new(body: &'a [u8], levels: bool) -> Records<'a> {
         Records {
             body,
             pos: 0,
             time: 0,
             page: 0,
             tenant: 0,
+            levels,
         }
     }
 
@@ -281,7 +354,7 @@ impl<'a> Records<'a> {
 }
 
 impl Iterator for Records<'_> {
-    type Item = Result<Record, TraceError>;
+    type Item = Result<(Record, Level), TraceError>;
 
     fn next(&mut self) -> Option<Self::Item> {
         if self.pos >= self.body.len() {
@@ -298,13 +371,19 @@ impl Iterator for Records<'_> {
                 self.tenant = t as u32;
             }
             self.time = self.time.wrapping_add(dt);
-            self.page = self.page.wrapping_add(unzigzag(tag >> 2) as u64);
-            Ok(Record {
+            let (delta, level) = if self.levels {
+                (tag >> 4, Level::from_bits(tag >> 2))
+            } else {
+                (tag >> 2, Level::Unknown)
+            };
+            self.page = self.page.wrapping_add(unzigzag(delta) as u64);
+            let r = Record {
                 time_ns: self.time,
                 tenant: self.tenant,
                 page: self.page,
                 write: tag & 1 != 0,
-            })
+            };
+            Ok((r, level))
         })();
         if r.is_err() {
             self.pos = self.body.len();
@@ -361,6 +440,32 @@ mod tests {
         assert_eq!(t.records().collect::<Vec<_>>(), sample());
         assert_eq!(t.tenant_pages, vec![6, 1, (1 << 30) + 1]);
         assert_eq!(t.records, 4);
+    }
+
+    #[test]
+    fn levels_round_trip_and_are_counted() {
+        let levels = [Level::Dram, Level::Pool, Level::File, Level::Pool];
+        let mut w = Writer::with_levels(Vec::new(), 4096).unwrap();
+        for (r, &l) in sample().into_iter().zip(&levels) {
+            w.record_at(r, l).unwrap();
+        }
+        let t = Trace::parse(w.finish().unwrap()).unwrap();
+        let back: Vec<(Record, Level)> = t.records_at().collect();
+        assert_eq!(back.iter().map(|b| b.0).collect::<Vec<_>>(), sample());
+        assert_eq!(back.iter().map(|b| b.1).collect::<Vec<_>>(), levels);
+        assert_eq!(t.levels, Some([0, 1, 2, 1]));
+        assert_eq!(t.tenant_pages, vec![6, 1, (1 << 30) + 1]);
+        // Without levels, none are told.
+        let plain = Trace::parse(encode(&sample())).unwrap();
+        assert_eq!(plain.levels, None);
+        assert!(plain.records_at().all(|(_, l)| l == Level::Unknown));
+        // A flag this version does not know is refused.
+        let mut odd = encode(&sample());
+        odd[10] |= 2;
+        assert_eq!(
+            Trace::parse(odd).unwrap_err(),
+            TraceError::Corrupt("unknown header flags")
+        );
     }
 
     #[test]

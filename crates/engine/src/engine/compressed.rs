@@ -434,7 +434,7 @@ impl Engine {
         }
         // Counted before the page is mapped, which wakes the faulting thread (as in
         // `Engine::fetch`), and recorded with them.
-        self.note(p, Event::TierFault);
+        self.note(p, Event::PoolFault);
         Counters::bump(&self.counters.faults_tier);
         Counters::bump(&self.counters.faults_compressed);
         Counters::bump(&self.counters.promotions);

@@ -7,7 +7,8 @@
 //! points: [`Recorder`], [`Event`].
 //!
 //! Raw file: 16 bytes per event, little-endian: nanoseconds since the engine started, then
-//! `page << 2 | kind` (kind 1 first touch, 2 tier fault, 3 hint fault).
+//! `page << 3 | kind` (kind 1 first touch, 2 fault served from the file, 3 hint fault, 4 fault
+//! served from the compressed pool).
 
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
@@ -21,8 +22,16 @@ use crate::sys::{self, Mapping};
 #[repr(u64)]
 pub enum Event {
     FirstTouch = 1,
+    /// A fault served from the file.
     TierFault = 2,
     HintFault = 3,
+    /// A fault served from the compressed pool.
+    PoolFault = 4,
+}
+
+impl Event {
+    /// Bits of a raw word below the page number.
+    pub const BITS: u32 = 3;
 }
 
 /// Events the ring holds before the drain must have run (at 300,000 faults a second, over
@@ -85,7 +94,7 @@ impl Recorder {
         self.time(h)
             .store(sys::now_ns() - self.start_ns, Ordering::Relaxed);
         self.word(h)
-            .store((page as u64) << 2 | why as u64, Ordering::Release);
+            .store((page as u64) << Event::BITS | why as u64, Ordering::Release);
     }
 
     /// Writes every complete event to the file (the drain thread, and once more at exit).
