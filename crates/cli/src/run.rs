@@ -65,10 +65,18 @@ pub struct RunArgs {
     /// decompression, no I/O) or `off` (straight to tier 1). See README, "Levels".
     #[arg(long, value_parser = opts::compress, default_value = "lz4")]
     pub compress: memtide_engine::Compress,
-    /// The most of --dram the compressed pool may take (default: a sixteenth of it; at most
-    /// three quarters are used, the rest holds the pages in use).
+    /// The compressed pool's size within --dram (default: a sixteenth of it), or with
+    /// `--compressed-sizing adaptive` the most it may grow to (default: half of --dram). At
+    /// most three quarters of --dram are used: the rest holds the pages in use.
     #[arg(long, value_parser = opts::nonzero_size, value_name = "SIZE")]
     pub compressed_max: Option<u64>,
+    /// How the compressed pool is sized: `fixed` (the default: --compressed-max, or a
+    /// sixteenth of --dram) or `adaptive` (from a sixteenth, a step of a thirty-second of
+    /// --dram up while what a step more pool would have saved in file faults outweighs what
+    /// the step of DRAM costs the pages in use, down when it does not; measured, it does not
+    /// yet beat the fixed sixteenth: README, "Levels").
+    #[arg(long, value_parser = opts::pool_sizing, default_value = "fixed", value_name = "HOW")]
+    pub compressed_sizing: opts::PoolSizing,
     /// Make the program a tenant of the host daemon (`memtide host`) at this socket (default
     /// /run/memtide/host.sock, or MEMTIDE_HOST_SOCKET): its DRAM quota then follows the host's
     /// split, at least --dram. If the daemon goes away, the program keeps its last quota and
@@ -318,6 +326,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
             encrypt_tier,
             compress: a.compress,
             compressed_max: a.compressed_max,
+            compressed_adaptive: a.compressed_sizing == opts::PoolSizing::Adaptive,
             record: a.record.is_some(),
             ..Settings::new(dram, &tier)
         }

@@ -84,6 +84,18 @@ fn a_bad_compressor_or_pool_size_is_one_line() {
         ],
         "must be more than 0",
     );
+    fails_with(
+        &[
+            "run",
+            "--dram",
+            "64MiB",
+            "--compressed-sizing",
+            "elastic",
+            "--",
+            "true",
+        ],
+        "write fixed or adaptive",
+    );
 }
 
 #[test]

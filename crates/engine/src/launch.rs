@@ -43,6 +43,8 @@ pub struct Settings {
     /// How pages are compressed into the pool in DRAM, and the most DRAM the pool may take.
     pub compress: Compress,
     pub compressed_max: Option<u64>,
+    /// Let the pool size itself, up to `compressed_max` (`--compressed-sizing adaptive`).
+    pub compressed_adaptive: bool,
     /// Record the pages each process brings into DRAM to `record-<pid>.raw` in the stats
     /// directory.
     pub record: bool,
@@ -65,6 +67,7 @@ const ENCRYPT_TIER: &str = "MEMTIDE_ENCRYPT_TIER";
 const RECORD: &str = "MEMTIDE_RECORD";
 const COMPRESS: &str = "MEMTIDE_COMPRESS";
 const COMPRESSED_MAX: &str = "MEMTIDE_COMPRESSED_MAX";
+const COMPRESSED_ADAPTIVE: &str = "MEMTIDE_COMPRESSED_ADAPTIVE";
 
 /// Allocations managed by default: 128 KiB and more.
 pub const DEFAULT_MIN_BYTES: u64 = 128 << 10;
@@ -91,6 +94,7 @@ impl Settings {
             encrypt_tier: false,
             compress: Compress::default(),
             compressed_max: None,
+            compressed_adaptive: false,
             record: false,
         }
     }
@@ -125,6 +129,10 @@ impl Settings {
             (
                 COMPRESSED_MAX,
                 self.compressed_max.map(|m| m.to_string().into()),
+            ),
+            (
+                COMPRESSED_ADAPTIVE,
+                self.compressed_adaptive.then(|| "1".into()),
             ),
         ];
         for (name, value) in optional {
@@ -223,6 +231,7 @@ impl Settings {
             encrypt_tier: text(ENCRYPT_TIER).is_some_and(|v| v == "1"),
             compress,
             compressed_max,
+            compressed_adaptive: text(COMPRESSED_ADAPTIVE).is_some_and(|v| v == "1"),
             record: text(RECORD).is_some_and(|v| v == "1"),
         })
     }

@@ -412,6 +412,19 @@ pub struct Snapshot {
     pub compressed_spills: u64,
     #[serde(default)]
     pub compressed_drops: u64,
+    /// The pool sizing itself: faults on objects stored within the last step of DRAM, file
+    /// faults on pages written back within the last step of pool, and its moves.
+    #[serde(default)]
+    pub compressed_young_hits: u64,
+    #[serde(default)]
+    pub compressed_ghost_hits: u64,
+    #[serde(default)]
+    pub compressed_grows: u64,
+    #[serde(default)]
+    pub compressed_shrinks: u64,
+    /// Whether the pool sizes itself (`--compressed-sizing adaptive`).
+    #[serde(default)]
+    pub compressed_adaptive: bool,
     #[serde(default)]
     pub fault_compressed_latency_p50_us: f64,
     #[serde(default)]

@@ -464,7 +464,7 @@ fn main() {
 
 fn counts(world: &World, snap: &memtide_engine::Snapshot) -> String {
     format!(
-        "ops {} forks {} mismatches {} | faults zero {} tier {} (pool {}) inactive {} wait {} | pool: {} stored, {} same, {} rejected, {} written back | demotions {} (clean {}, zero {}) | moves underreported {} | handlers disarmed {}, armed {} | tier errors {}, mismatched reads {} | peak DRAM {} KiB of {} KiB quota",
+        "ops {} forks {} mismatches {} | faults zero {} tier {} (pool {}) inactive {} wait {} | pool: {} stored, {} same, {} rejected, {} written back, {} steps up, {} down | demotions {} (clean {}, zero {}) | moves underreported {} | handlers disarmed {}, armed {} | tier errors {}, mismatched reads {} | peak DRAM {} KiB of {} KiB quota",
         world.ops.load(Ordering::Relaxed),
         world.forks.load(Ordering::Relaxed),
         world.mismatches.load(Ordering::Relaxed),
@@ -477,6 +477,8 @@ fn counts(world: &World, snap: &memtide_engine::Snapshot) -> String {
         snap.compressed_same,
         snap.compressed_rejected,
         snap.compressed_spills,
+        snap.compressed_grows,
+        snap.compressed_shrinks,
         snap.demotions,
         snap.demotions_clean,
         snap.demotions_zero,
@@ -497,6 +499,9 @@ fn stress_eviction_racing_with_access(run_for: Duration, policy: EvictionPolicy)
     cfg.arena_bytes = 8 << 30;
     cfg.epoch_ms = 50;
     cfg.policy = policy;
+    // Under the sweep the pool sizes itself, so that its moves (and the write-backs a step
+    // down makes) race with the faults too.
+    cfg.compressed_adaptive = policy == EvictionPolicy::Sweep;
     let engine = Engine::start(&cfg).expect("engine starts (needs userfaultfd: run as root)");
     let blocks = (0..BLOCKS)
         .map(|b| Block {

@@ -120,6 +120,21 @@ pub fn compress(s: &str) -> Result<memtide_engine::Compress, String> {
         .ok_or_else(|| format!("`{s}` is not a compressor memtide has: write lz4 or off"))
 }
 
+/// How the compressed pool is sized (`--compressed-sizing`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolSizing {
+    Fixed,
+    Adaptive,
+}
+
+pub fn pool_sizing(s: &str) -> Result<PoolSizing, String> {
+    match s {
+        "fixed" => Ok(PoolSizing::Fixed),
+        "adaptive" => Ok(PoolSizing::Adaptive),
+        _ => Err(format!("`{s}`: write fixed or adaptive")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

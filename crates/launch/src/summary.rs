@@ -147,7 +147,7 @@ pub fn print(program: &str, status: &str, c: &Collected) {
         eprintln!("  pool     off (--compress off): pages leave DRAM for tier 1 only");
     } else {
         eprintln!(
-            "  pool     {}: {} of pages in {} of DRAM ({}), up to {}; {} pages stored, {} same-filled (one word each), {} compressed too little (to tier 1); {} written back to tier 1, {} copies dropped",
+            "  pool     {}: {} of pages in {} of DRAM ({}), up to {}{}; {} pages stored, {} same-filled (one word each), {} compressed too little (to tier 1); {} written back to tier 1, {} copies dropped",
             s.compress,
             bytes(s.compressed_pages * 4096),
             bytes(s.compressed_pool_bytes),
@@ -157,6 +157,14 @@ pub fn print(program: &str, status: &str, c: &Collected) {
                 "empty".into()
             },
             bytes(s.compressed_capacity_bytes),
+            if s.compressed_adaptive {
+                format!(
+                    " (sized by what it saves: {} steps up, {} down)",
+                    s.compressed_grows, s.compressed_shrinks
+                )
+            } else {
+                " (fixed)".into()
+            },
             s.compressed_stores,
             s.compressed_same,
             s.compressed_rejected,

@@ -167,6 +167,7 @@ fn engine_or_start() -> Option<&'static Engine> {
     cfg.encrypt_tier = s.encrypt_tier;
     cfg.compress = s.compress;
     cfg.compressed_max_bytes = s.compressed_max;
+    cfg.compressed_adaptive = s.compressed_adaptive;
     // Every engine of the run shares its quota through the statistics directory.
     cfg.group_file = s.stats_dir.as_ref().map(|d| d.join(launch::GROUP_FILE));
     if s.record {

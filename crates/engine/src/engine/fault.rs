@@ -520,7 +520,12 @@ impl Engine {
             return false;
         };
         let slot = match self.pt.copy(p) {
-            Some(TierCopy::File(slot)) => slot,
+            Some(TierCopy::File(slot)) => {
+                if let Some(c) = &self.compressed {
+                    c.file_fault(p);
+                }
+                slot
+            }
             Some(copy) => {
                 self.fetch_compressed(p, old, copy, t0);
                 return true;

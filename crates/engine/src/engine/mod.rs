@@ -132,9 +132,12 @@ pub struct Config {
     /// How pages are compressed into the pool in DRAM before the file (LZ4 by default; `Off`:
     /// no compressed level).
     pub compress: Compress,
-    /// The most DRAM the compressed pool may take, in bytes, within the quota (default: a
-    /// sixteenth of the quota; never more than three quarters).
+    /// The DRAM the compressed pool takes, in bytes, within the quota (default: a sixteenth),
+    /// or with `compressed_adaptive` the most it may grow to (default: half the quota). Never
+    /// more than three quarters of the quota.
     pub compressed_max_bytes: Option<u64>,
+    /// Let the pool size itself by what it saves (from a sixteenth of the quota).
+    pub compressed_adaptive: bool,
     /// For tests: device faults to inject in front of the tier file.
     #[doc(hidden)]
     pub tier_faults: Option<Arc<TierFaults>>,
@@ -161,6 +164,7 @@ impl Config {
             follow_threads: true,
             compress: Compress::Lz4,
             compressed_max_bytes: None,
+            compressed_adaptive: false,
             record: None,
             tier_faults: None,
             group_file: None,
@@ -330,7 +334,9 @@ impl Engine {
                 Compressed::new(
                     quota_pages,
                     quota_pages.saturating_mul(4).max(16 << 18),
+                    arena_pages,
                     cfg.compressed_max_bytes.map(|b| b / PAGE_SIZE as u64),
+                    cfg.compressed_adaptive,
                 )
                 .map_err(io_err("reserve the compressed pool"))?,
             ),
@@ -743,6 +749,11 @@ impl Engine {
             compressed_rejected: r(&c.compressed_rejected),
             compressed_spills: r(&c.compressed_spills),
             compressed_drops: r(&c.compressed_drops),
+            compressed_young_hits: self.compressed.as_ref().map_or(0, |p| r(&p.young_hits)),
+            compressed_ghost_hits: self.compressed.as_ref().map_or(0, |p| r(&p.ghost_hits)),
+            compressed_grows: self.compressed.as_ref().map_or(0, |p| r(&p.grows)),
+            compressed_shrinks: self.compressed.as_ref().map_or(0, |p| r(&p.shrinks)),
+            compressed_adaptive: self.compressed.as_ref().is_some_and(|p| p.adaptive()),
             fault_compressed_latency_p50_us: c.fault_compressed_latency.quantile_us(0.5),
             fault_compressed_latency_p99_us: c.fault_compressed_latency.quantile_us(0.99),
             tier_read_latency_buckets: c
