@@ -366,6 +366,7 @@ pub fn plan(a: PlanArgs) -> Result<ExitCode> {
                 let dram = ((pages as f64 * f).round() as u64).max(1);
                 shares.iter().map(move |&s| Job {
                     pool_pages: (dram as f64 * s) as u64,
+                    pool_share: s,
                     ratio,
                     ..Job::new("placement", dram)
                 })

@@ -250,6 +250,11 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         None => (a.tier_size, None),
     };
     let encrypt_tier = a.encrypt_tier || grant.as_ref().is_some_and(|g| g.encrypt_tier);
+    if a.compressed_sizing == opts::PoolSizing::Adaptive
+        && a.compress == memtide_engine::Compress::Off
+    {
+        bail!("--compressed-sizing adaptive sizes the compressed pool, which --compress off turns off");
+    }
     if let Some(m) = a.compressed_max {
         if m >= dram {
             bail!(

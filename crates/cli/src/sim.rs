@@ -96,11 +96,13 @@ pub struct SimArgs {
     /// With --compressed: pages the pool holds per page of its DRAM (the engine's `--stats`
     /// show it as compressed_pages over compressed_pool_bytes; about 1.8 for pages that lz4
     /// halves, 1 for incompressible ones).
-    #[arg(long, default_value = "2", value_parser = ratio)]
-    pub ratio: f64,
+    /// [default: 2]
+    #[arg(long, value_parser = ratio)]
+    pub ratio: Option<f64>,
     /// With --compressed: cost of a miss served from the pool (fault, decompression, map).
-    #[arg(long, value_parser = opts::latency_ns, default_value = "15us")]
-    pub compressed_latency: f64,
+    /// [default: 15us]
+    #[arg(long, value_parser = opts::latency_ns)]
+    pub compressed_latency: Option<f64>,
     /// Cost of a soft fault on memtide's inactive list.
     #[arg(long, value_parser = opts::latency_ns, default_value = "6us")]
     pub soft_latency: f64,
@@ -170,7 +172,7 @@ fn latency(a: &SimArgs) -> Result<Latency> {
         dram_ns: a.dram_latency.max(1e-3),
         tier_ns,
         soft_ns: a.soft_latency,
-        compressed_ns: a.compressed_latency,
+        compressed_ns: a.compressed_latency.unwrap_or(15_000.0),
     })
 }
 
@@ -225,6 +227,9 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
         }
         if a.policy != ["all"] {
             bail!("--policy chooses what a --workload or --trace replays; --corpus always compares memtide with every online policy");
+        }
+        if !a.compressed.is_empty() || a.ratio.is_some() || a.compressed_latency.is_some() {
+            bail!("--compressed, --ratio and --compressed-latency model a pool for a --workload or --trace; --corpus compares policies without one");
         }
         return corpus(&a);
     }
@@ -319,10 +324,10 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
         a.compressed.clone()
     };
     let leveled = shares.iter().any(|&s| s > 0.0);
-    if !leveled && (a.ratio != 2.0 || a.compressed_latency != 15_000.0) {
+    if !leveled && (a.ratio.is_some() || a.compressed_latency.is_some()) {
         bail!("--ratio and --compressed-latency describe the pool of --compressed");
     }
-    let ratio = a.ratio;
+    let ratio = a.ratio.unwrap_or(2.0);
     let jobs: Vec<Job> = sizes
         .iter()
         .flat_map(|&d| {
@@ -339,6 +344,7 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
                     };
                     kept.into_iter().map(move |s| Job {
                         pool_pages: (d.min(pages) as f64 * s) as u64,
+                        pool_share: s,
                         ratio,
                         ..Job::new(p.clone(), d)
                     })
@@ -472,10 +478,11 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
         // One line per policy, and per pool share when several are compared.
         let mut lines: Vec<(String, f64)> = Vec::new();
         for o in &out {
-            let share = o.pool_pages as f64 / o.dram_pages.max(1) as f64;
-            let share = (share * 1000.0).round() / 1000.0;
-            if !lines.iter().any(|(p, s)| *p == o.policy && *s == share) {
-                lines.push((o.policy.clone(), share));
+            if !lines
+                .iter()
+                .any(|(p, s)| *p == o.policy && *s == o.pool_share)
+            {
+                lines.push((o.policy.clone(), o.pool_share));
             }
         }
         let series = lines
@@ -483,10 +490,7 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
             .map(|(p, share)| {
                 let mut points: Vec<(f64, f64)> = out
                     .iter()
-                    .filter(|o| {
-                        let s = o.pool_pages as f64 / o.dram_pages.max(1) as f64;
-                        &o.policy == p && ((s * 1000.0).round() / 1000.0) == *share
-                    })
+                    .filter(|o| &o.policy == p && o.pool_share == *share)
                     .map(|o| {
                         let slow = o.slowdown(&lat);
                         (o.dram_pages as f64 / pages as f64, 1.0 - 1.0 / slow)

@@ -96,6 +96,20 @@ fn a_bad_compressor_or_pool_size_is_one_line() {
         ],
         "write fixed or adaptive",
     );
+    fails_with(
+        &[
+            "run",
+            "--dram",
+            "64MiB",
+            "--compress",
+            "off",
+            "--compressed-sizing",
+            "adaptive",
+            "--",
+            "true",
+        ],
+        "which --compress off turns off",
+    );
 }
 
 #[test]

@@ -66,6 +66,14 @@ fn bad_input_is_one_line() {
         "describe the pool of --compressed",
     );
     fails_with(
+        &["sim", "--workload", "uniform", "--ratio", "2"],
+        "describe the pool of --compressed",
+    );
+    fails_with(
+        &["sim", "--corpus", "--compressed", "5%"],
+        "--corpus compares policies without one",
+    );
+    fails_with(
         &["sim", "--workload", "zipfy:skew=1"],
         "unknown workload kind",
     );

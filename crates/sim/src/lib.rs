@@ -145,8 +145,10 @@ pub struct Job {
     pub policy: String,
     /// All the DRAM: the pages in use and, if `pool_pages` is not 0, the compressed pool.
     pub dram_pages: u64,
-    /// Of `dram_pages`, the DRAM the compressed pool takes (0: no compressed level).
+    /// Of `dram_pages`, the DRAM the compressed pool takes (0: no compressed level), and the
+    /// share of `dram_pages` that was asked for (for the report).
     pub pool_pages: u64,
+    pub pool_share: f64,
     /// Pages the pool holds per page of its DRAM (the compression ratio, with the pool's
     /// packing losses).
     pub ratio: f64,
@@ -159,6 +161,7 @@ impl Job {
             policy: policy.into(),
             dram_pages,
             pool_pages: 0,
+            pool_share: 0.0,
             ratio: 1.0,
         }
     }
@@ -241,6 +244,7 @@ fn run_job(spec: &Source, job: &Job, lat: &Latency) -> Outcome {
         policy: job.policy.clone(),
         dram_pages: dram,
         pool_pages: if leveled { dram - cap } else { 0 },
+        pool_share: if leveled { job.pool_share } else { 0.0 },
         pool: warm.pool.take(),
         ..Outcome::default()
     };
@@ -261,13 +265,15 @@ fn run_counted(
         let bases = spec.tenant_bases();
         o.tenant_accesses = vec![0; tenants];
         o.tenant_misses = vec![0; tenants];
+        o.tenant_compressed_hits = vec![0; tenants];
         for (page, write) in stream {
             let t = bases.partition_point(|&b| b <= page) - 1;
-            let before = o.misses;
+            let (misses, pool) = (o.misses, o.compressed_hits);
             o.accesses += 1;
             p.access(page, write, &mut o);
             o.tenant_accesses[t] += 1;
-            o.tenant_misses[t] += o.misses - before;
+            o.tenant_misses[t] += o.misses - misses;
+            o.tenant_compressed_hits[t] += o.compressed_hits - pool;
         }
         o.state_bytes = p.state_bytes();
         return o;

@@ -291,6 +291,9 @@ impl Engine {
         }
         self.file.backend.forked();
         self.counters.forked();
+        if let Some(c) = &self.compressed {
+            c.forked();
+        }
         // Its peak DRAM starts at what it holds at the fork (not the parent's peak before it).
         self.counters
             .peak_resident_pages

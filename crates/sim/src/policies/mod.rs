@@ -35,8 +35,10 @@ pub struct Outcome {
     pub policy: String,
     /// All the DRAM, the compressed pool's included.
     pub dram_pages: u64,
-    /// Of `dram_pages`, the compressed pool's (0: no compressed level).
+    /// Of `dram_pages`, the compressed pool's (0: no compressed level), and the share of them
+    /// it was asked for.
     pub pool_pages: u64,
+    pub pool_share: f64,
     pub accesses: u64,
     pub first_touches: u64,
     /// Accesses to pages out of DRAM: served from the compressed level (`compressed_hits` of
@@ -57,6 +59,8 @@ pub struct Outcome {
     pub tenant_accesses: Vec<u64>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub tenant_misses: Vec<u64>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tenant_compressed_hits: Vec<u64>,
     /// The compressed level being replayed, if any (state, not a count).
     #[serde(skip)]
     pub pool: Option<Box<PoolModel>>,
@@ -260,6 +264,7 @@ impl Outcome {
         for (mine, theirs) in [
             (&mut self.tenant_accesses, &o.tenant_accesses),
             (&mut self.tenant_misses, &o.tenant_misses),
+            (&mut self.tenant_compressed_hits, &o.tenant_compressed_hits),
         ] {
             mine.resize(mine.len().max(theirs.len()), 0);
             for (m, t) in mine.iter_mut().zip(theirs) {
@@ -285,7 +290,9 @@ impl Outcome {
         if a == 0.0 {
             return 1.0;
         }
-        (a + self.tenant_misses.get(t).copied().unwrap_or(0) as f64 * lat.tier_ns) / a
+        let misses = self.tenant_misses.get(t).copied().unwrap_or(0);
+        let pool = self.tenant_compressed_hits.get(t).copied().unwrap_or(0);
+        (a + (misses - pool) as f64 * lat.tier_ns + pool as f64 * lat.compressed_ns) / a
     }
 }
 
