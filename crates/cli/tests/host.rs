@@ -913,7 +913,25 @@ fn top_and_dashboard_show_every_tenant_and_a_red_one_red() {
             .output()
             .unwrap()
     };
-    let dom = String::from_utf8_lossy(&browser(&["--dump-dom"]).stdout).into_owned();
+    // The hot tenant's estimated active memory sits a little above the red line, so a sample
+    // may dip below it: the page is read while the daemon says red just before and just after,
+    // and must then show red.
+    let hot_red = || tenant(&status(&d.socket), "hot").is_some_and(|t| t["health"] == "red");
+    let mut dom = String::new();
+    for attempt in 0.. {
+        assert!(
+            attempt < 40,
+            "the hot tenant did not stay red across a page load"
+        );
+        if !hot_red() {
+            std::thread::sleep(Duration::from_millis(250));
+            continue;
+        }
+        dom = String::from_utf8_lossy(&browser(&["--dump-dom"]).stdout).into_owned();
+        if hot_red() {
+            break;
+        }
+    }
     assert!(
         dom.contains("data-ready=\"1\""),
         "the page never rendered: {dom}"
