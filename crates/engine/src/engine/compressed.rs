@@ -734,10 +734,6 @@ impl Engine {
             file_ns,
             wake_ns,
         );
-        let cap = c.pool.capacity_pages();
-        // Only a pool that uses its room is worth judging: one that does not spills nothing
-        // (no saving to see) and takes no DRAM it does not use.
-        let used = c.pool.pages() + step / 2 >= cap;
         let verdict = if squeezed { -1 } else { j.verdict() };
         if sizer.last_move > 0 && verdict > 0 {
             // The last step up paid.
@@ -757,6 +753,9 @@ impl Engine {
         let _serial = c.resize.lock().unwrap_or_else(|e| e.into_inner());
         let quota = self.quota.wm().quota;
         let cap = c.pool.capacity_pages();
+        // Only a pool that uses its room is worth moving: one that does not spills nothing
+        // (no saving to see) and takes no DRAM it does not use.
+        let used = c.pool.pages() + step / 2 >= cap;
         match verdict {
             1 if used && cap < c.max_for(quota) && now_ns >= sizer.hold_until_ns => {
                 c.set_capacity(cap + step, quota);
