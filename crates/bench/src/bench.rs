@@ -76,6 +76,12 @@ pub fn bench(mut args: BenchArgs) -> Result<ExitCode> {
     if a.reps_given == Some(0) {
         bail!("--reps must be at least 1");
     }
+    if a.compressed_max.is_some_and(|p| p > 75.0) {
+        bail!(
+            "--compressed-max {}: give at most 75 (the rest of the budget holds the pages in use)",
+            a.compressed_max.unwrap_or_default()
+        );
+    }
     if a.pool_share > 90.0 {
         bail!(
             "--pool-share {}: give at most 90 (the rest of the budget is the program's cgroup)",
@@ -275,6 +281,7 @@ pub fn bench(mut args: BenchArgs) -> Result<ExitCode> {
                             faults,
                             policy,
                             compress,
+                            pool_share: a.compressed_max.map(|p| p / 100.0),
                         },
                         Pool::None,
                     ));

@@ -67,6 +67,8 @@ pub enum Placement<'a> {
         faults: memtide_engine::Delivery,
         policy: memtide_engine::EvictionPolicy,
         compress: memtide_engine::Compress,
+        /// The pool's share of `dram` (`--compressed-max`), or its default.
+        pool_share: Option<f64>,
     },
     /// In a memory cgroup limited to `limit` (Linux swap does the tiering): the pid is written
     /// to `procs` before the workload starts.
@@ -85,12 +87,14 @@ impl Placement<'_> {
                 faults,
                 policy,
                 compress,
+                pool_share,
             } => Settings {
                 stats_dir: Some(stats_dir.to_path_buf()),
                 stats_interval_ms: 500,
                 faults: *faults,
                 policy: *policy,
                 compress: *compress,
+                compressed_max: pool_share.map(|s| (*dram as f64 * s) as u64 / 4096 * 4096),
                 ..Settings::new(*dram, *tier)
             }
             .apply(preload, cmd),
@@ -252,6 +256,7 @@ pub fn demo(a: DemoArgs) -> Result<ExitCode> {
             faults: memtide_engine::Delivery::Threads,
             policy: memtide_engine::EvictionPolicy::default(),
             compress: a.compress,
+            pool_share: None,
         },
     )?;
     eprintln!("memtide: {:.0} k accesses/s", mt.result.throughput / 1e3);

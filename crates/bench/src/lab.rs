@@ -56,14 +56,19 @@ pub struct Common {
     #[arg(long)]
     pub no_zram: bool,
     /// How memtide's configurations keep pages that leave DRAM: `lz4` (the default: a
-    /// compressed pool within the budget, then tier 1), `off` (tier 1 only), or both
-    /// (`lz4,off`: every memtide configuration twice, the second marked `file-only`).
+    /// compressed pool within the budget, then tier 1), `zstd` (the pool compressed with
+    /// zstd, marked `zstd`), `off` (tier 1 only, marked `file-only`), or several (`lz4,off`:
+    /// every memtide configuration once with each).
     #[arg(long, value_delimiter = ',', value_parser = opts::compress, default_value = "lz4")]
     pub compress: Vec<memtide_engine::Compress>,
+    /// memtide's compressed pool in every memtide configuration: this share of its budget,
+    /// fixed (as `memtide run --compressed-max`), instead of the default sixteenth.
+    #[arg(long, value_parser = opts::percent, value_name = "SHARE")]
+    pub compressed_max: Option<f64>,
     /// The share of each budget that zswap's and zram's compressed pools may take; their
     /// memory cgroup is limited to the rest (the pools live outside it), so that they have the
-    /// same DRAM in all as the other configurations. (memtide's pool lives inside its budget,
-    /// at its default size.)
+    /// same DRAM in all as the other configurations. (memtide's pool lives inside its budget:
+    /// see --compressed-max.)
     #[arg(long, value_parser = opts::percent, default_value = "50")]
     pub pool_share: f64,
     /// Also write the results as JSON to this file.
@@ -202,8 +207,10 @@ pub(crate) fn variant(
     compress: memtide_engine::Compress,
 ) -> String {
     let mut name = String::new();
-    if compress == memtide_engine::Compress::Off {
-        name.push_str(" file-only");
+    match compress {
+        memtide_engine::Compress::Off => name.push_str(" file-only"),
+        memtide_engine::Compress::Zstd => name.push_str(" zstd"),
+        memtide_engine::Compress::Lz4 => {}
     }
     if faults == memtide_engine::Delivery::Signal {
         name.push_str(" sig");

@@ -432,6 +432,7 @@ pub fn run(
         "workloads": m.workloads,
         "contents": m.contents.name(),
         "pool_share": a.pool_share,
+        "memtide_pool_share": a.compressed_max,
         "seconds": a.seconds,
         "warmup": a.warmup,
         "rows": rows,

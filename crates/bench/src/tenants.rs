@@ -123,6 +123,7 @@ fn run_together(
                 faults: memtide_engine::Delivery::Threads,
                 policy: memtide_engine::EvictionPolicy::default(),
                 compress: memtide_engine::Compress::default(),
+                pool_share: None,
             },
             (Family::Swap, Some(_), Some(p)) => Placement::Cgroup { procs: p },
             _ => Placement::Dram,

@@ -355,6 +355,8 @@ struct VmConfig {
     faults: memtide_engine::Delivery,
     policy: memtide_engine::EvictionPolicy,
     compress: memtide_engine::Compress,
+    /// memtide's pool as a share of its budget (`--compressed-max`), or its default.
+    pool_share: Option<f64>,
 }
 
 /// Every configuration: all-DRAM, memtide for each `--compress`, `--policy` and `--faults` (SIGBUS delivery
@@ -370,6 +372,7 @@ fn configs(a: &Common, host: &Host, accel: Accel) -> Vec<VmConfig> {
                 faults: memtide_engine::Delivery::Threads,
                 policy: Default::default(),
                 compress: Default::default(),
+                pool_share: None,
             });
             continue;
         }
@@ -387,6 +390,7 @@ fn configs(a: &Common, host: &Host, accel: Accel) -> Vec<VmConfig> {
                             faults,
                             policy,
                             compress,
+                            pool_share: a.compressed_max.map(|p| p / 100.0),
                         });
                     }
                 }
@@ -479,6 +483,7 @@ fn run_guests(
                             faults: config.faults,
                             policy: config.policy,
                             compress: config.compress,
+                            pool_share: config.pool_share,
                         },
                         (Family::Swap, Some(p)) => Placement::Cgroup { procs: p },
                         _ => Placement::Dram,

@@ -201,7 +201,7 @@ impl Settings {
             None => Compress::default(),
             Some(name) => Compress::from_name(&name).unwrap_or_else(|| {
                 say(format!(
-                    "memtide: {COMPRESS}={name}: expected lz4 or off; using lz4"
+                    "memtide: {COMPRESS}={name}: expected lz4, zstd or off; using lz4"
                 ));
                 Compress::default()
             }),

@@ -203,6 +203,12 @@ fn clock_ns(clock: libc::clockid_t) -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+/// Gives up the CPU to another runnable thread (async-signal-safe).
+pub fn yield_cpu() {
+    // SAFETY: no arguments; it cannot fail in a way that matters here.
+    unsafe { libc::sched_yield() };
+}
+
 /// Monotonic time in nanoseconds.
 pub fn now_ns() -> u64 {
     clock_ns(libc::CLOCK_MONOTONIC)

@@ -13,8 +13,9 @@
 //! derived from a version kept in a shadow table, so any lost or corrupted write, or a page
 //! that reads back stale or non-zero after a discard, is a mismatch. Half the pages compress
 //! about 2:1 and an eighth 3:1 (they go to the compressed pool, which fills and writes its
-//! oldest back to the file all along), a quarter not at all (straight to the file), and an
-//! eighth are one word repeated. The test fails on any mismatch, and audits the engine's
+//! oldest back to the file all along; lz4 under the sweep, zstd under placement), a quarter
+//! not at all (straight to the file), and an eighth are one word repeated. The test fails on
+//! any mismatch, and audits the engine's
 //! books against the page tables at the end.
 //!
 //! Runs 40 s by default: `cargo test --release -p memtide-engine --test stress -- --minutes 60`
@@ -502,6 +503,11 @@ fn stress_eviction_racing_with_access(run_for: Duration, policy: EvictionPolicy)
     // Under the sweep the pool sizes itself, so that its moves (and the write-backs a step
     // down makes) race with the faults too.
     cfg.compressed_adaptive = policy == EvictionPolicy::Sweep;
+    // Under placement the pool compresses with zstd, whose decompression contexts the fault
+    // paths take without a lock.
+    if policy == EvictionPolicy::Placement {
+        cfg.compress = memtide_engine::Compress::Zstd;
+    }
     let engine = Engine::start(&cfg).expect("engine starts (needs userfaultfd: run as root)");
     let blocks = (0..BLOCKS)
         .map(|b| Block {

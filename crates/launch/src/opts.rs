@@ -117,7 +117,7 @@ pub fn eviction_policy(s: &str) -> Result<memtide_engine::EvictionPolicy, String
 
 pub fn compress(s: &str) -> Result<memtide_engine::Compress, String> {
     memtide_engine::Compress::from_name(s)
-        .ok_or_else(|| format!("`{s}` is not a compressor memtide has: write lz4 or off"))
+        .ok_or_else(|| format!("`{s}` is not a compressor memtide has: write lz4, zstd or off"))
 }
 
 /// How the compressed pool is sized (`--compressed-sizing`).

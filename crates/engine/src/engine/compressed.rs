@@ -49,7 +49,7 @@ use super::{Engine, Event};
 use crate::pages::{State, TierCopy, Word};
 use crate::stats::Counters;
 use crate::sys::{self, Mapping};
-use crate::tier::{Handle, Pool, Stored};
+use crate::tier::{Codec, Handle, Pool, Stored};
 
 /// Pages written back from the pool to the file in one batch: when the pool is full, a batch
 /// makes room for about as many new pages (the batch the evictor retires); when the pool must
@@ -63,17 +63,20 @@ pub enum Compress {
     /// LZ4 (the default): about 1 µs to decompress a page here.
     #[default]
     Lz4,
+    /// zstd (level 1): smaller objects for most data, at a few µs more per page each way.
+    Zstd,
     /// No compressed level: pages go to the file.
     Off,
 }
 
 impl Compress {
     /// The names `--compress` takes.
-    pub const NAMES: [&'static str; 2] = ["lz4", "off"];
+    pub const NAMES: [&'static str; 3] = ["lz4", "zstd", "off"];
 
     pub fn from_name(name: &str) -> Option<Compress> {
         match name {
             "lz4" => Some(Compress::Lz4),
+            "zstd" => Some(Compress::Zstd),
             "off" | "none" => Some(Compress::Off),
             _ => None,
         }
@@ -82,7 +85,17 @@ impl Compress {
     pub fn name(self) -> &'static str {
         match self {
             Compress::Lz4 => "lz4",
+            Compress::Zstd => "zstd",
             Compress::Off => "off",
+        }
+    }
+
+    /// The pool's codec; `None` for no pool.
+    pub(super) fn codec(self) -> Option<Codec> {
+        match self {
+            Compress::Lz4 => Some(Codec::Lz4),
+            Compress::Zstd => Some(Codec::Zstd),
+            Compress::Off => None,
         }
     }
 }
@@ -130,6 +143,8 @@ const HINT_NS: f64 = 5_000.0;
 /// The compressed level of one engine.
 pub(super) struct Compressed {
     pub(super) pool: Pool,
+    /// How the pool compresses.
+    pub(super) codec: Codec,
     /// The capacity asked for (`--compressed-max`), or none for the default share.
     asked_pages: Option<u64>,
     /// Objects in the order they were stored, as (page, handle): the oldest go to the file
@@ -254,6 +269,7 @@ impl Compressed {
     /// itself, up to `asked_pages` (`--compressed-max`) or half the quota; without, it takes
     /// `asked_pages` (`--compressed-max`) or a sixteenth, fixed.
     pub(super) fn new(
+        codec: Codec,
         quota_pages: u64,
         max_quota_pages: u64,
         arena_pages: usize,
@@ -262,8 +278,17 @@ impl Compressed {
     ) -> io::Result<Compressed> {
         let bound = |q| Self::bound(asked_pages, adaptive, q);
         let max = bound(max_quota_pages).max(bound(quota_pages));
+        // Fault paths that may decompress at once: the handler threads, or (faults in the
+        // program's threads) about as many as there are CPUs to run them.
+        let readers = std::thread::available_parallelism().map_or(4, |n| n.get() * 2);
         let c = Compressed {
-            pool: Pool::new(PAGE_SIZE, max as usize * PAGE_SIZE)?,
+            pool: Pool::new(
+                PAGE_SIZE,
+                max as usize * PAGE_SIZE,
+                codec,
+                readers.clamp(4, 64),
+            )?,
+            codec,
             asked_pages,
             order: Mutex::new(VecDeque::new()),
             spill_buf: Mutex::new(Mapping::anon(SPILL_BATCH * PAGE_SIZE)?),
@@ -854,7 +879,7 @@ mod tests {
     #[test]
     fn the_pool_takes_its_share_and_keeps_it_within_its_bounds() {
         // Sizing itself: from a sixteenth, up to half, down to a thirty-second.
-        let c = Compressed::new(1024, 4096, 1 << 16, None, true).unwrap();
+        let c = Compressed::new(Codec::Lz4, 1024, 4096, 1 << 16, None, true).unwrap();
         assert_eq!(c.pool.capacity_pages(), 64);
         assert_eq!(c.set_capacity(10_000, 1024), 512);
         assert_eq!(c.min_for(1024), 32);
@@ -863,15 +888,15 @@ mod tests {
         c.quota_changed(4096);
         assert_eq!(c.pool.capacity_pages(), 1024);
         // --compressed-max caps it, and it starts at the smaller of that and a sixteenth.
-        let capped = Compressed::new(1024, 1024, 1 << 16, Some(40), true).unwrap();
+        let capped = Compressed::new(Codec::Lz4, 1024, 1024, 1 << 16, Some(40), true).unwrap();
         assert_eq!(capped.pool.capacity_pages(), 40);
         assert_eq!(capped.set_capacity(500, 1024), 40);
         assert_eq!(capped.min_for(1024), 32);
         // Fixed (the default): --compressed-max, at most three quarters.
-        let fixed = Compressed::new(1024, 1024, 1 << 16, Some(100), false).unwrap();
+        let fixed = Compressed::new(Codec::Lz4, 1024, 1024, 1 << 16, Some(100), false).unwrap();
         assert_eq!(fixed.pool.capacity_pages(), 100);
         assert_eq!(fixed.set_capacity(500, 1024), 100);
-        let too_much = Compressed::new(1024, 1024, 1 << 16, Some(1000), false).unwrap();
+        let too_much = Compressed::new(Codec::Lz4, 1024, 1024, 1 << 16, Some(1000), false).unwrap();
         assert_eq!(too_much.pool.capacity_pages(), 768);
     }
 

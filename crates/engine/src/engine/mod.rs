@@ -73,7 +73,7 @@ use crate::signal::FaultHandler;
 use crate::stats::{Counters, Snapshot};
 use crate::sys::{self, Mapping};
 use crate::threads::SchedStat;
-use crate::tier::{self, Encrypted, Faulty, FileTier, SlotMap, TierFaults, TierOpenError};
+use crate::tier::{self, Codec, Encrypted, Faulty, FileTier, SlotMap, TierFaults, TierOpenError};
 use crate::uffd::{Delivery, MoveReport, OpenError, Uffd};
 pub use compressed::Compress;
 pub use policy::EvictionPolicy;
@@ -328,10 +328,11 @@ impl Engine {
             needs.extra_staging + wm_max.inactive_target + 4 * wm_max.batch + active::SAMPLE,
         )
         .map_err(io_err("reserve the staging area"))?;
-        let compressed = match cfg.compress {
-            Compress::Off => None,
-            Compress::Lz4 => Some(
+        let compressed = match cfg.compress.codec() {
+            None => None,
+            Some(codec) => Some(
                 Compressed::new(
+                    codec,
                     quota_pages,
                     quota_pages.saturating_mul(4).max(16 << 18),
                     arena_pages,
@@ -735,10 +736,12 @@ impl Engine {
             tier_read_latency_p99_us: c.tier_read_latency.quantile_us(0.99),
             fault_tier_latency_p50_us: c.fault_tier_latency.quantile_us(0.5),
             fault_tier_latency_p99_us: c.fault_tier_latency.quantile_us(0.99),
-            compress: if self.compressed.is_some() {
-                Compress::Lz4.name().into()
-            } else {
-                Compress::Off.name().into()
+            compress: match &self.compressed {
+                Some(c) => match c.codec {
+                    Codec::Lz4 => Compress::Lz4.name().into(),
+                    Codec::Zstd => Compress::Zstd.name().into(),
+                },
+                None => Compress::Off.name().into(),
             },
             compressed_pool_bytes: pool.pool_bytes,
             compressed_capacity_bytes: pool_capacity,

@@ -1,4 +1,4 @@
-//! The compressed pool: pages kept in DRAM compressed with LZ4, packed by size class into
+//! The compressed pool: pages kept in DRAM compressed (LZ4 or zstd, [`Codec`]), packed by size class into
 //! chunks of contiguous memory (as zsmalloc packs zspages), for the compressed level that is
 //! to sit between DRAM and the file. A page whose eight-byte words are all the same is kept
 //! as that word alone ([`Stored::Same`]); one that compresses worse than [`MAX_OBJECT`] is
@@ -18,18 +18,21 @@
 //!
 //! # Concurrency
 //!
-//! `store` and `free` take the pool's lock (and `store` allocates LZ4's hash table): they are
-//! for the evictor, never for a fault path. `load` takes no lock and allocates nothing, so
-//! that a fault path (a signal handler among them) may call it: where a chunk is follows from
-//! its number, and its class is an atomic set before any object of it is handed out. The
+//! `store` and `free` take the pool's lock (and `store` allocates LZ4's hash table, or takes
+//! the zstd compression context's lock): they are for the evictor, never for a fault path.
+//! `load` takes no lock and allocates nothing, so that a fault path (a signal handler among
+//! them) may call it: where a chunk is follows from its number, and its class is an atomic set
+//! before any object of it is handed out; zstd decompresses with one of a set of contexts made
+//! with the pool, taken with an atomic flag ([`Zstd::decompress`]). The
 //! caller must hold the object (the engine's page is claimed while it loads), so no `free` of
 //! it runs meanwhile, and must have received its handle with Release/Acquire ordering from the
 //! thread that stored it (the class atomic does not publish the object's bytes). A freed
 //! object's length is cleared, so a load of it fails until its place is reused; past that,
 //! the engine checks a loaded page against its checksum, as it does pages read from the file.
 
+use std::cell::UnsafeCell;
 use std::io;
-use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::sys::{self, Mapping};
@@ -50,6 +53,104 @@ const NO_CLASS: u16 = u16::MAX;
 /// The most chunks a pool has: a handle's number stays below 2^31 - 1, so that the page
 /// table can mark it with the top bit of a word and keep one value besides.
 const MAX_CHUNKS: usize = (1 << 23) - 1;
+
+/// How a pool compresses its pages.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Codec {
+    /// LZ4 (lz4_flex): about 1 µs to decompress a page here, and fast to compress.
+    #[default]
+    Lz4,
+    /// zstd at [`ZSTD_LEVEL`]: smaller objects of most data, slower both ways.
+    Zstd,
+}
+
+/// zstd's compression level for pool objects: its fastest positive level. Higher levels
+/// shrink 4 KiB pages little more and cost the evictor several times the CPU.
+pub const ZSTD_LEVEL: i32 = 1;
+
+/// zstd's state for a pool: one compression context (for the evictor, under a lock) and a
+/// set of decompression contexts, made with the pool, that fault paths take without a lock
+/// or an allocation.
+struct Zstd {
+    compress: Mutex<zstd_safe::CCtx<'static>>,
+    contexts: Box<[DContext]>,
+    /// Where the next taker starts looking (spreads takers over the contexts).
+    next: AtomicUsize,
+}
+
+struct DContext {
+    busy: AtomicBool,
+    ctx: UnsafeCell<zstd_safe::DCtx<'static>>,
+}
+
+// SAFETY: a context is used only by the thread that set its `busy` flag (Acquire) until it
+// clears it (Release).
+unsafe impl Sync for DContext {}
+
+impl Zstd {
+    /// State with `n` decompression contexts (about 100 KiB of memory each): as many fault
+    /// paths as that decompress at once without waiting for each other.
+    fn new(n: usize) -> io::Result<Zstd> {
+        let ctx = || {
+            zstd_safe::DCtx::try_create()
+                .ok_or_else(|| io::Error::other("zstd could not make a decompression context"))
+        };
+        Ok(Zstd {
+            compress: Mutex::new(
+                zstd_safe::CCtx::try_create()
+                    .ok_or_else(|| io::Error::other("zstd could not make a compression context"))?,
+            ),
+            contexts: (0..n.max(1))
+                .map(|_| {
+                    Ok(DContext {
+                        busy: AtomicBool::new(false),
+                        ctx: UnsafeCell::new(ctx()?),
+                    })
+                })
+                .collect::<io::Result<_>>()?,
+            next: AtomicUsize::new(0),
+        })
+    }
+
+    /// Compresses `page` into `out`; `None` if it does not fit.
+    fn compress(&self, page: &[u8; PAGE], out: &mut [u8]) -> Option<usize> {
+        let mut c = self.compress.lock().unwrap_or_else(|e| e.into_inner());
+        c.compress(out, page, ZSTD_LEVEL).ok()
+    }
+
+    /// Decompresses `object` into `out` with a free context (no lock, no allocation, safe in a
+    /// signal handler): whether it made a page. With every context taken (more fault paths
+    /// decompressing at once than there are contexts, or a signal handler that interrupted
+    /// one), it tries again, yielding the CPU between rounds.
+    fn decompress(&self, object: &[u8], out: &mut [u8; PAGE]) -> bool {
+        let n = self.contexts.len();
+        let start = self.next.fetch_add(1, Ordering::Relaxed);
+        let mut i = 0;
+        loop {
+            let c = &self.contexts[(start + i) % n];
+            if !c.busy.load(Ordering::Relaxed)
+                && c.busy
+                    .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+                    .is_ok()
+            {
+                // SAFETY: the flag just taken gives this thread the context alone.
+                let r = unsafe { (*c.ctx.get()).decompress(&mut out[..], object) };
+                c.busy.store(false, Ordering::Release);
+                return r == Ok(PAGE);
+            }
+            i += 1;
+            if i % n == 0 {
+                sys::yield_cpu();
+            }
+        }
+    }
+}
+
+/// The pool's compressor.
+enum Coder {
+    Lz4,
+    Zstd(Box<Zstd>),
+}
 
 /// Object size of class `class`.
 fn class_size(class: usize) -> usize {
@@ -138,6 +239,7 @@ struct Inner {
 /// A compressed pool of up to `capacity` bytes of DRAM.
 pub struct Pool {
     memory: Mapping,
+    coder: Coder,
     /// The most pages its chunks may take now ([`set_capacity`](Self::set_capacity)).
     capacity_pages: AtomicU64,
     /// Pages its chunks take now (as `Inner::pages`, readable without the lock; shared with
@@ -161,8 +263,10 @@ pub struct PoolStats {
 
 impl Pool {
     /// A pool that may use up to `capacity` bytes (rounded down to pages): address space now,
-    /// DRAM as pages are stored. Its capacity may be raised later up to `max` bytes.
-    pub fn new(capacity: usize, max: usize) -> io::Result<Pool> {
+    /// DRAM as pages are stored. Its capacity may be raised later up to `max` bytes. With
+    /// zstd, `readers` decompression contexts are made now: as many fault paths as may load
+    /// at once without waiting (see [`Zstd::decompress`]).
+    pub fn new(capacity: usize, max: usize, codec: Codec, readers: usize) -> io::Result<Pool> {
         // A chunk slot per page of the largest capacity: chunks of one page take a slot of
         // four, the rest of which stays address space.
         let capacity_pages = (capacity / PAGE).max(1);
@@ -179,6 +283,10 @@ impl Pool {
             .collect();
         Ok(Pool {
             memory: Mapping::anon(slots * SLOT)?,
+            coder: match codec {
+                Codec::Lz4 => Coder::Lz4,
+                Codec::Zstd => Coder::Zstd(Box::new(Zstd::new(readers)?)),
+            },
             capacity_pages: AtomicU64::new(capacity_pages as u64),
             pages_now: Arc::new(AtomicU64::new(0)),
             class_of: (0..slots).map(|_| AtomicU16::new(NO_CLASS)).collect(),
@@ -208,8 +316,13 @@ impl Pool {
         }
         // Compressed before the lock is taken: other stores and frees need not wait for it.
         let mut compressed = [0u8; COMPRESSED_MAX];
-        let n = match lz4_flex::block::compress_into(page, &mut compressed) {
-            Ok(n) if n + 2 <= MAX_OBJECT => n,
+        let n = match &self.coder {
+            Coder::Lz4 => lz4_flex::block::compress_into(page, &mut compressed).ok(),
+            // zstd stops at a full buffer: one an object's size is enough.
+            Coder::Zstd(z) => z.compress(page, &mut compressed[..MAX_OBJECT - 2]),
+        };
+        let n = match n {
+            Some(n) if n + 2 <= MAX_OBJECT => n,
             _ => return Stored::TooBig,
         };
         let mut g = self.lock();
@@ -297,9 +410,17 @@ impl Pool {
         if n + 2 > size {
             return Err(Corrupt(h));
         }
-        match lz4_flex::block::decompress_into(&object[2..2 + n], out) {
-            Ok(PAGE) => Ok(()),
-            _ => Err(Corrupt(h)),
+        let whole = match &self.coder {
+            Coder::Lz4 => matches!(
+                lz4_flex::block::decompress_into(&object[2..2 + n], out),
+                Ok(PAGE)
+            ),
+            Coder::Zstd(z) => z.decompress(&object[2..2 + n], out),
+        };
+        if whole {
+            Ok(())
+        } else {
+            Err(Corrupt(h))
         }
     }
 
@@ -407,7 +528,13 @@ mod tests {
 
     #[test]
     fn a_page_comes_back_as_it_went_in_or_is_refused() {
-        let pool = Pool::new(1 << 20, 1 << 20).unwrap();
+        for codec in [Codec::Lz4, Codec::Zstd] {
+            comes_back_or_is_refused(codec);
+        }
+    }
+
+    fn comes_back_or_is_refused(codec: Codec) {
+        let pool = Pool::new(1 << 20, 1 << 20, codec, 1).unwrap();
         assert_eq!(pool.store(&[0; PAGE]), Stored::Same(0));
         assert_eq!(
             pool.store(&[0xAB; PAGE]),
@@ -429,10 +556,78 @@ mod tests {
         assert!(s.pool_bytes >= s.compressed_bytes, "{s:?}");
     }
 
+    /// A page of words from a small vocabulary, from `seed`: text, which lz4 makes about
+    /// 1.6:1 of and zstd's entropy coding much more.
+    fn text(seed: u64) -> Box<[u8; PAGE]> {
+        const WORDS: [&str; 8] = ["the", "memory", "of", "page", "and", "cold", "tier", "hot"];
+        let mut p = Box::new([b' '; PAGE]);
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut at = 0;
+        while at < PAGE {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            for &b in WORDS[(x >> 61) as usize].as_bytes() {
+                if at < PAGE {
+                    p[at] = b;
+                    at += 1;
+                }
+            }
+            at += 1;
+        }
+        p
+    }
+
+    #[test]
+    fn zstd_packs_text_tighter_than_lz4_and_both_bring_it_back() {
+        let bytes = |codec| {
+            let pool = Pool::new(1 << 20, 1 << 20, codec, 1).unwrap();
+            let mut out = [0u8; PAGE];
+            for seed in 0..64 {
+                let Stored::Object(h) = pool.store(&text(seed)) else {
+                    panic!("{codec:?}: text should compress");
+                };
+                pool.load(h, &mut out).unwrap();
+                assert!(out == *text(seed), "{codec:?}: text came back different");
+            }
+            pool.stats().compressed_bytes
+        };
+        let (lz4, zstd) = (bytes(Codec::Lz4), bytes(Codec::Zstd));
+        assert!(
+            (zstd as f64) < 0.8 * lz4 as f64,
+            "64 pages of text: zstd {zstd} bytes, lz4 {lz4}"
+        );
+    }
+
+    #[test]
+    fn zstd_loads_from_more_threads_than_it_has_contexts() {
+        // Two contexts, four threads loading at once: each waits its turn, none reads another's.
+        let pool = Pool::new(1 << 20, 1 << 20, Codec::Zstd, 2).unwrap();
+        let held: Vec<(Handle, u64)> = (0..32u64)
+            .map(|seed| match pool.store(&page(seed, 100)) {
+                Stored::Object(h) => (h, seed),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        std::thread::scope(|s| {
+            for t in 0..4 {
+                let (pool, held) = (&pool, &held);
+                s.spawn(move || {
+                    let mut out = [0u8; PAGE];
+                    for i in 0..2000 {
+                        let (h, seed) = held[(i * 7 + t) % held.len()];
+                        pool.load(h, &mut out).unwrap();
+                        assert!(out == *page(seed, 100), "page {seed} came back different");
+                    }
+                });
+            }
+        });
+    }
+
     #[test]
     fn a_full_pool_says_so_and_freeing_makes_room() {
         // One chunk slot: a few objects of one class fit, then the pool is full.
-        let pool = Pool::new(SLOT, SLOT).unwrap();
+        let pool = Pool::new(SLOT, SLOT, Codec::Lz4, 1).unwrap();
         let p = page(7, 256);
         let mut held = Vec::new();
         loop {
@@ -456,7 +651,8 @@ mod tests {
     fn the_pool_fills_its_capacity_of_dram_whatever_the_class() {
         // One random word a page: tiny objects, whose chunks are one page each.
         for (random, capacity_pages) in [(1, 8), (100, 8), (300, 9)] {
-            let pool = Pool::new(capacity_pages * PAGE, capacity_pages * PAGE).unwrap();
+            let pool =
+                Pool::new(capacity_pages * PAGE, capacity_pages * PAGE, Codec::Lz4, 1).unwrap();
             let mut n = 0u64;
             while let Stored::Object(_) = pool.store(&page(n, random)) {
                 n += 1;
@@ -475,7 +671,7 @@ mod tests {
 
     #[test]
     fn a_freed_object_does_not_load_while_its_chunk_lives_on() {
-        let pool = Pool::new(1 << 20, 1 << 20).unwrap();
+        let pool = Pool::new(1 << 20, 1 << 20, Codec::Lz4, 1).unwrap();
         let hs: Vec<Handle> = (0..3)
             .map(|i| match pool.store(&page(i, 40)) {
                 Stored::Object(h) => h,
@@ -492,7 +688,7 @@ mod tests {
 
     #[test]
     fn a_handle_that_is_not_held_does_not_load() {
-        let pool = Pool::new(1 << 20, 1 << 20).unwrap();
+        let pool = Pool::new(1 << 20, 1 << 20, Codec::Lz4, 1).unwrap();
         let mut out = [0u8; PAGE];
         assert!(pool.load(Handle::new(3, 0), &mut out).is_err(), "no chunk");
         let Stored::Object(h) = pool.store(&page(2, 100)) else {
@@ -513,9 +709,11 @@ mod tests {
         /// up, and a pool emptied of objects holds no DRAM.
         #[test]
         fn stores_and_frees_keep_every_page(
-            ops in proptest::collection::vec((any::<bool>(), 0u64..1000, 1usize..400), 1..300)
+            ops in proptest::collection::vec((any::<bool>(), 0u64..1000, 1usize..400), 1..300),
+            zstd in any::<bool>(),
         ) {
-            let pool = Pool::new(4 << 20, 4 << 20).unwrap();
+            let codec = if zstd { Codec::Zstd } else { Codec::Lz4 };
+            let pool = Pool::new(4 << 20, 4 << 20, codec, 1).unwrap();
             let mut held: Vec<(Handle, u64, usize)> = Vec::new();
             for (store, seed, random) in ops {
                 if store || held.is_empty() {
