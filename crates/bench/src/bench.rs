@@ -335,7 +335,13 @@ pub fn bench(mut args: BenchArgs) -> Result<ExitCode> {
                 match e.as_str() {
                     "density" => crate::tenants::density(a, t, &host)?,
                     "noisy" => crate::tenants::noisy(a, t, &host)?,
-                    _ => crate::vms::vms(a, v, &host, guests.as_ref().expect("found above"))?,
+                    _ => crate::vms::vms(
+                        a,
+                        v,
+                        &host,
+                        guests.as_ref().expect("found above"),
+                        &mut pools,
+                    )?,
                 }
             }
             _ => unreachable!("checked above"),

@@ -66,6 +66,8 @@ pub(crate) enum Family {
     Dram,
     Memtide,
     Swap,
+    /// Linux swap with a zram device in front (the vms experiment only).
+    Zram,
 }
 
 impl Family {
@@ -74,6 +76,7 @@ impl Family {
             Family::Dram => "all-DRAM",
             Family::Memtide => "memtide",
             Family::Swap => "Linux swap",
+            Family::Zram => "zram",
         }
     }
 

@@ -24,7 +24,7 @@ use crate::demo::Placement;
 use crate::lab::{config_width, variant, Common};
 use crate::opts;
 use crate::report::{median, step_label};
-use crate::system::interrupted;
+use crate::system::{interrupted, Pool, Pools};
 use crate::tenants::{report_fits, Family, Fit, Host};
 
 /// The VM experiment's flags (`vms`).
@@ -52,6 +52,45 @@ pub struct VmArgs {
     /// default: target/guest beside the memtide binary, built there on first use).
     #[arg(long)]
     pub guest: Option<PathBuf>,
+    /// VMs: what the guests fill their memory with: `random` (incompressible) or `2x` (the
+    /// second half of every page zero: about 2:1 under lz4, for the compressed pool and zram).
+    #[arg(long, value_enum, default_value = "random")]
+    pub guest_contents: GuestContents,
+}
+
+/// What a guest fills its memory with (`--guest-contents`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum GuestContents {
+    #[default]
+    Random,
+    /// Half of every page zero.
+    #[value(name = "2x")]
+    Half,
+}
+
+impl GuestContents {
+    /// The share of each page's words the guest keeps zero (its `zero_pct`).
+    fn zero_pct(self) -> u32 {
+        match self {
+            GuestContents::Random => 0,
+            GuestContents::Half => 50,
+        }
+    }
+
+    /// About what lz4 makes of it (zram's device is sized by it).
+    fn ratio(self) -> f64 {
+        match self {
+            GuestContents::Random => 1.0,
+            GuestContents::Half => 2.0,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            GuestContents::Random => "random",
+            GuestContents::Half => "2x",
+        }
+    }
 }
 
 /// Guest RAM, and how much of it the guest's load fills.
@@ -104,11 +143,18 @@ impl Guests {
             (None, None) => bail!("cannot tell where the test guest is: give --guest DIR"),
         };
         let (kernel, initrd) = (dir.join("vmlinuz"), dir.join("initramfs"));
-        if !kernel.is_file() || !initrd.is_file() {
-            let script = target
-                .as_deref()
-                .and_then(Path::parent)
-                .map(|r| r.join("vm/build-guest.sh"));
+        let script = target
+            .as_deref()
+            .and_then(Path::parent)
+            .map(|r| r.join("vm/build-guest.sh"));
+        // In a checkout, a guest built before vm/init.c last changed is built again.
+        let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+        let stale = script
+            .as_deref()
+            .and_then(|s| modified(&s.with_file_name("init.c")))
+            .zip(modified(&initrd))
+            .is_some_and(|(source, built)| source > built);
+        if !kernel.is_file() || !initrd.is_file() || stale {
             match script.filter(|s| s.is_file()) {
                 Some(script) => {
                     eprintln!(
@@ -362,7 +408,7 @@ struct VmConfig {
 /// Every configuration: all-DRAM, memtide for each `--compress`, `--policy` and `--faults` (SIGBUS delivery
 /// only under TCG: KVM reads guest memory from the kernel, which SIGBUS delivery fails with
 /// EFAULT), and Linux swap where the machine allows it.
-fn configs(a: &Common, host: &Host, accel: Accel) -> Vec<VmConfig> {
+fn configs(a: &Common, host: &Host, accel: Accel, zram: bool) -> Vec<VmConfig> {
     let mut out = Vec::new();
     for family in Family::all(host) {
         if family != Family::Memtide {
@@ -396,6 +442,16 @@ fn configs(a: &Common, host: &Host, accel: Accel) -> Vec<VmConfig> {
                 }
             }
         }
+    }
+    if zram && host.cgroups.is_some() {
+        out.push(VmConfig {
+            name: Family::Zram.name().into(),
+            family: Family::Zram,
+            faults: memtide_engine::Delivery::Threads,
+            policy: Default::default(),
+            compress: Default::default(),
+            pool_share: None,
+        });
     }
     out
 }
@@ -450,17 +506,28 @@ fn run_guests(
     x: &VmArgs,
     n: usize,
     share: u64,
+    pools: &mut Pools,
 ) -> Result<Vec<GuestRun>> {
     let family = config.family;
+    // zram: one device for all the guests, its pool capped at their shares' pool share; each
+    // guest's cgroup gets the rest of its share.
+    let cap = if family == Family::Zram {
+        pools.select(Pool::Zram, share * n as u64, x.guest_contents.ratio())?;
+        pools.cap(Pool::Zram, share)
+    } else {
+        pools.select(Pool::None, 0, 1.0)?;
+        0
+    };
     let mut procs: Vec<Option<PathBuf>> = Vec::new();
     for i in 0..n {
         procs.push(match (family, host.cgroups) {
-            (Family::Swap, Some(cg)) => Some(cg.limit(i, share)?),
+            (Family::Swap | Family::Zram, Some(cg)) => Some(cg.limit(i, share - cap)?),
             _ => None,
         });
     }
+    let zero_pct = x.guest_contents.zero_pct();
     let settings = format!(
-        "mode=paced fill_mib={FILL_MIB} rate={:.0} warmup={:.0} seconds={:.0} active_pct={ACTIVE_PCT} hot_pct={HOT_PCT}",
+        "mode=paced fill_mib={FILL_MIB} rate={:.0} warmup={:.0} seconds={:.0} active_pct={ACTIVE_PCT} hot_pct={HOT_PCT} zero_pct={zero_pct}",
         x.guest_rate,
         x.guest_warmup.ceil(),
         x.guest_seconds.ceil()
@@ -485,7 +552,7 @@ fn run_guests(
                             compress: config.compress,
                             pool_share: config.pool_share,
                         },
-                        (Family::Swap, Some(p)) => Placement::Cgroup { procs: p },
+                        (Family::Swap | Family::Zram, Some(p)) => Placement::Cgroup { procs: p },
                         _ => Placement::Dram,
                     };
                     let mut stats =
@@ -535,6 +602,14 @@ fn run_guests(
                     stats.relayed();
                     for l in &said {
                         eprintln!("{} guest {i}: {l}", config.name);
+                    }
+                    if zero_pct > 0 && !c.lines.iter().any(|l| l.contains("of each page zero")) {
+                        let dir = g.initrd.parent().unwrap_or(Path::new("."));
+                        bail!(
+                            "the test guest in {} predates --guest-contents (its console does not say what it filled): rebuild it with vm/build-guest.sh {}",
+                            dir.display(),
+                            dir.display()
+                        );
                     }
                     match achieved(&c.lines) {
                         Some(rate) => Ok(GuestRun {
@@ -588,7 +663,7 @@ fn run_guests(
     for r in results {
         match r {
             Ok(r) => runs.push(r),
-            Err(e) if family == Family::Swap => runs.push(GuestRun {
+            Err(e) if matches!(family, Family::Swap | Family::Zram) => runs.push(GuestRun {
                 achieved: None,
                 peak_rss: 0,
                 device_faults: 0,
@@ -615,6 +690,9 @@ struct VmRun {
     config: String,
     rep: usize,
     share: u64,
+    /// zram: the most DRAM its pool took in the run (all the guests').
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pool_peak: Option<u64>,
     runs: Vec<GuestRun>,
 }
 
@@ -655,15 +733,22 @@ struct VmRow {
 }
 
 /// The VM density experiment.
-pub fn vms(a: &Common, x: &VmArgs, host: &Host, g: &Guests) -> Result<serde_json::Value> {
+pub fn vms(
+    a: &Common,
+    x: &VmArgs,
+    host: &Host,
+    g: &Guests,
+    pools: &mut Pools,
+) -> Result<serde_json::Value> {
     let fits = (x.vm_dram / GUEST_RAM) as usize;
     eprintln!(
-        "vms: guests of {} ({FILL_MIB} MiB filled; {HOT_PCT}% of accesses to {ACTIVE_PCT}% of it, the rest anywhere) at {:.0} k accesses/s each, sharing {} of DRAM; all-DRAM fits {fits}",
+        "vms: guests of {} ({FILL_MIB} MiB filled, contents {}; {HOT_PCT}% of accesses to {ACTIVE_PCT}% of it, the rest anywhere) at {:.0} k accesses/s each, sharing {} of DRAM; all-DRAM fits {fits}",
         bytes(GUEST_RAM),
+        x.guest_contents.name(),
         x.guest_rate / 1e3,
         bytes(x.vm_dram)
     );
-    let configs = configs(a, host, g.accel);
+    let configs = configs(a, host, g.accel, pools.has(Pool::Zram));
     if !configs.iter().any(|c| c.family == Family::Memtide) {
         bail!("--faults signal: no SIGBUS delivery under KVM, which reads guest memory from the kernel; use --faults threads");
     }
@@ -694,10 +779,22 @@ pub fn vms(a: &Common, x: &VmArgs, host: &Host, g: &Guests) -> Result<serde_json
                             bytes(share - QEMU_OWN)
                         ),
                         Family::Swap => format!(", {} of DRAM each", bytes(share)),
+                        Family::Zram => format!(
+                            ", {} of DRAM each ({} cgroup, up to {} in zram's pool)",
+                            bytes(share),
+                            bytes(share - pools.cap(Pool::Zram, share)),
+                            bytes(pools.cap(Pool::Zram, share))
+                        ),
                     }
                 );
                 eprintln!("{label}: running");
-                let runs = run_guests(config, host, g, x, n, share)?;
+                let runs = run_guests(config, host, g, x, n, share, pools)?;
+                let pool_peak = (config.family == Family::Zram)
+                    .then(|| pools.zram_peak())
+                    .flatten();
+                if let Some(p) = pool_peak {
+                    eprintln!("{label}: zram's pool took up to {}", bytes(p));
+                }
                 let tp: Vec<f64> = runs.iter().map(|r| r.achieved.unwrap_or(0.0)).collect();
                 let killed = runs.iter().filter(|r| r.failed.is_some()).count();
                 eprintln!(
@@ -715,6 +812,7 @@ pub fn vms(a: &Common, x: &VmArgs, host: &Host, g: &Guests) -> Result<serde_json
                     config: config.name.clone(),
                     rep,
                     share,
+                    pool_peak,
                     runs,
                 });
             }
@@ -869,6 +967,8 @@ pub fn vms(a: &Common, x: &VmArgs, host: &Host, g: &Guests) -> Result<serde_json
         "fill_mib": FILL_MIB,
         "active_pct": ACTIVE_PCT,
         "hot_pct": HOT_PCT,
+        "guest_contents": x.guest_contents.name(),
+        "pool_share": a.pool_share,
         "guest_rate": x.guest_rate,
         "accel": format!("{:?}", g.accel),
         "all_dram_fits": fits,
