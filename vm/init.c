@@ -178,7 +178,8 @@ int main(void) {
     const char *mode = getenv("mode");
     if (mode && strcmp(mode, "paced") == 0) {
         long zero_pct = setting("zero_pct", 0);
-        size_t kept = 512 - (size_t)(zero_pct < 0 ? 0 : zero_pct > 100 ? 100 : zero_pct) * 512 / 100;
+        zero_pct = zero_pct < 0 ? 0 : zero_pct > 100 ? 100 : zero_pct;
+        size_t kept = 512 - (size_t)zero_pct * 512 / 100;
         for (size_t i = 0; i < words; i++)
             m[i] = i % 512 < kept ? pattern(i, 0) : 0;
         say("memtide-guest: filled %ld MiB, %ld%% of each page zero\n", fill_mib, zero_pct);

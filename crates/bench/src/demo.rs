@@ -50,7 +50,8 @@ pub struct DemoArgs {
     #[arg(long, value_enum, default_value = "2x")]
     pub contents: crate::workload::Contents,
     /// How memtide keeps pages that leave DRAM: `lz4` (compressed into a pool within the DRAM
-    /// budget first) or `off` (straight to tier 1).
+    /// budget first), `zstd` (the same pool, compressed with zstd) or `off` (straight to tier
+    /// 1).
     #[arg(long, value_parser = opts::compress, default_value = "lz4")]
     pub compress: memtide_engine::Compress,
 }

@@ -61,8 +61,9 @@ pub struct Common {
     /// every memtide configuration once with each).
     #[arg(long, value_delimiter = ',', value_parser = opts::compress, default_value = "lz4")]
     pub compress: Vec<memtide_engine::Compress>,
-    /// memtide's compressed pool in every memtide configuration: this share of its budget,
-    /// fixed (as `memtide run --compressed-max`), instead of the default sixteenth.
+    /// memtide's compressed pool in the memtide configurations of micro, memcached, redis and
+    /// vms: this share of the budget, fixed (as `memtide run --compressed-max`), instead of the
+    /// default sixteenth.
     #[arg(long, value_parser = opts::percent, value_name = "SHARE")]
     pub compressed_max: Option<f64>,
     /// The share of each budget that zswap's and zram's compressed pools may take; their

@@ -137,6 +137,7 @@ impl Guests {
         }
         let exe = std::env::current_exe().context("cannot locate the memtide binary")?;
         let target = exe.parent().and_then(Path::parent).map(Path::to_path_buf);
+        let given = dir;
         let dir = match (dir, &target) {
             (Some(d), _) => d.to_path_buf(),
             (None, Some(t)) => t.join("guest"),
@@ -147,13 +148,15 @@ impl Guests {
             .as_deref()
             .and_then(Path::parent)
             .map(|r| r.join("vm/build-guest.sh"));
-        // In a checkout, a guest built before vm/init.c last changed is built again.
+        // In a checkout, the default guest built before vm/init.c last changed is built again
+        // (a guest given with --guest is the user's to rebuild).
         let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-        let stale = script
-            .as_deref()
-            .and_then(|s| modified(&s.with_file_name("init.c")))
-            .zip(modified(&initrd))
-            .is_some_and(|(source, built)| source > built);
+        let stale = given.is_none()
+            && script
+                .as_deref()
+                .and_then(|s| modified(&s.with_file_name("init.c")))
+                .zip(modified(&initrd))
+                .is_some_and(|(source, built)| source > built);
         if !kernel.is_file() || !initrd.is_file() || stale {
             match script.filter(|s| s.is_file()) {
                 Some(script) => {
@@ -603,7 +606,10 @@ fn run_guests(
                     for l in &said {
                         eprintln!("{} guest {i}: {l}", config.name);
                     }
-                    if zero_pct > 0 && !c.lines.iter().any(|l| l.contains("of each page zero")) {
+                    // A guest that filled its memory without saying how is older than the
+                    // setting (one that died before filling is judged below).
+                    let filled = c.lines.iter().find(|l| l.contains("memtide-guest: filled"));
+                    if zero_pct > 0 && filled.is_some_and(|l| !l.contains("of each page zero")) {
                         let dir = g.initrd.parent().unwrap_or(Path::new("."));
                         bail!(
                             "the test guest in {} predates --guest-contents (its console does not say what it filled): rebuild it with vm/build-guest.sh {}",
@@ -780,7 +786,7 @@ pub fn vms(
                         ),
                         Family::Swap => format!(", {} of DRAM each", bytes(share)),
                         Family::Zram => format!(
-                            ", {} of DRAM each ({} cgroup, up to {} in zram's pool)",
+                            ", {} of DRAM each ({} cgroup, {} of zram's pool)",
                             bytes(share),
                             bytes(share - pools.cap(Pool::Zram, share)),
                             bytes(pools.cap(Pool::Zram, share))
@@ -793,7 +799,10 @@ pub fn vms(
                     .then(|| pools.zram_peak())
                     .flatten();
                 if let Some(p) = pool_peak {
-                    eprintln!("{label}: zram's pool took up to {}", bytes(p));
+                    eprintln!(
+                        "{label}: zram's pool took up to {} for all the guests",
+                        bytes(p)
+                    );
                 }
                 let tp: Vec<f64> = runs.iter().map(|r| r.achieved.unwrap_or(0.0)).collect();
                 let killed = runs.iter().filter(|r| r.failed.is_some()).count();
@@ -969,6 +978,7 @@ pub fn vms(
         "hot_pct": HOT_PCT,
         "guest_contents": x.guest_contents.name(),
         "pool_share": a.pool_share,
+        "memtide_pool_share": a.compressed_max,
         "guest_rate": x.guest_rate,
         "accel": format!("{:?}", g.accel),
         "all_dram_fits": fits,

@@ -63,7 +63,8 @@ pub struct RunArgs {
     /// How pages leaving DRAM are kept: `lz4` (the default: compressed into a pool in DRAM,
     /// within --dram, before any goes to tier 1; a fault on a page in the pool is a
     /// decompression, no I/O), `zstd` (the same pool, compressed with zstd: text-like data
-    /// takes about 40% less room than under lz4, at 2-3.5x the CPU each way) or `off`
+    /// takes about 40% less room than under lz4, at up to 2x the CPU to compress and 3.5x to
+    /// decompress) or `off`
     /// (straight to tier 1). See README, "Levels".
     #[arg(long, value_parser = opts::compress, default_value = "lz4")]
     pub compress: memtide_engine::Compress,

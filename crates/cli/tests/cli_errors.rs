@@ -58,7 +58,7 @@ fn a_bad_compressor_or_pool_size_is_one_line() {
             "--",
             "true",
         ],
-        "is not a compressor memtide has: write lz4 or off",
+        "is not a compressor memtide has: write lz4, zstd or off",
     );
     fails_with(
         &[

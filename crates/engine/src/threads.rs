@@ -23,6 +23,16 @@ pub fn is_engine_thread() -> bool {
     ENGINE_THREAD.with(Cell::get)
 }
 
+/// Runs `f` as if on one of the engine's threads: what C code in it allocates through the
+/// public `malloc` (zstd's contexts) comes from glibc's allocator, as on the threads that go
+/// on to use and free it, never from the program's.
+pub fn as_engine<T>(f: impl FnOnce() -> T) -> T {
+    let was = ENGINE_THREAD.with(|c| c.replace(true));
+    let out = f();
+    ENGINE_THREAD.with(|c| c.set(was));
+    out
+}
+
 struct Start {
     name: String,
     main: Box<dyn FnOnce() + Send>,

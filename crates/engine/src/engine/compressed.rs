@@ -1,5 +1,5 @@
 //! The compressed level: pages leaving DRAM are compressed into a pool in DRAM ([`Pool`]:
-//! LZ4, packed by size class) before any goes to the file. A fault on a page in the pool is a
+//! LZ4 or zstd, packed by size class) before any goes to the file. A fault on a page in the pool is a
 //! decompression and a copy, no I/O. The pool's DRAM counts against the quota; when it is full,
 //! its oldest objects are written back to the file, decompressed, in batches. Entry points:
 //! [`Compressed`], [`Engine::compress_out`], [`Engine::fetch_compressed`].
@@ -63,7 +63,8 @@ pub enum Compress {
     /// LZ4 (the default): about 1 µs to decompress a page here.
     #[default]
     Lz4,
-    /// zstd (level 1): smaller objects for most data, at a few µs more per page each way.
+    /// zstd (level 1): much smaller objects of text-like data, the same of pages whose only
+    /// redundancy is zero runs; about twice LZ4's time to compress, up to 3.5x to decompress.
     Zstd,
     /// No compressed level: pages go to the file.
     Off,

@@ -1,6 +1,6 @@
-//! The compressed pool: pages kept in DRAM compressed (LZ4 or zstd, [`Codec`]), packed by size class into
-//! chunks of contiguous memory (as zsmalloc packs zspages), for the compressed level that is
-//! to sit between DRAM and the file. A page whose eight-byte words are all the same is kept
+//! The compressed pool: pages kept in DRAM compressed (LZ4 or zstd, [`Codec`]), packed by size
+//! class into chunks of contiguous memory (as zsmalloc packs zspages), for the compressed level
+//! that sits between DRAM and the file. A page whose eight-byte words are all the same is kept
 //! as that word alone ([`Stored::Same`]); one that compresses worse than [`MAX_OBJECT`] is
 //! refused ([`Stored::TooBig`]) and belongs in the file.
 //!
@@ -88,9 +88,16 @@ struct DContext {
 unsafe impl Sync for DContext {}
 
 impl Zstd {
-    /// State with `n` decompression contexts (about 100 KiB of memory each): as many fault
-    /// paths as that decompress at once without waiting for each other.
+    /// State with `n` decompression contexts (about 100 KiB of memory each; at least two, so
+    /// that a load nested in a signal handler on a thread that holds one finds another): as
+    /// many fault paths as that decompress at once without waiting for each other. Made as the
+    /// engine's: zstd allocates them with the public `malloc`, which in a program under the
+    /// preload library would otherwise be the program's allocator.
     fn new(n: usize) -> io::Result<Zstd> {
+        crate::threads::as_engine(|| Self::make(n))
+    }
+
+    fn make(n: usize) -> io::Result<Zstd> {
         let ctx = || {
             zstd_safe::DCtx::try_create()
                 .ok_or_else(|| io::Error::other("zstd could not make a decompression context"))
@@ -100,7 +107,7 @@ impl Zstd {
                 zstd_safe::CCtx::try_create()
                     .ok_or_else(|| io::Error::other("zstd could not make a compression context"))?,
             ),
-            contexts: (0..n.max(1))
+            contexts: (0..n.max(2))
                 .map(|_| {
                     Ok(DContext {
                         busy: AtomicBool::new(false),
