@@ -138,6 +138,9 @@ pub struct Counters {
     pub compressed_spills: AtomicU64,
     /// Pool copies of pages that are in DRAM again, dropped to give the pool's DRAM back.
     pub compressed_drops: AtomicU64,
+    /// Compactions of the pool, and the objects they moved out of its sparsest chunks.
+    pub compressed_compactions: AtomicU64,
+    pub compressed_moves: AtomicU64,
     /// Faults on an inactive page still in DRAM (promoted back without I/O).
     pub faults_inactive: AtomicU64,
     /// Faults that waited for another thread's move of the same page.
@@ -228,6 +231,8 @@ impl Counters {
             &self.compressed_rejected,
             &self.compressed_spills,
             &self.compressed_drops,
+            &self.compressed_compactions,
+            &self.compressed_moves,
             &self.faults_inactive,
             &self.faults_wait,
             &self.moves_underreported,
@@ -412,6 +417,14 @@ pub struct Snapshot {
     pub compressed_spills: u64,
     #[serde(default)]
     pub compressed_drops: u64,
+    /// The pool's holes (free objects in chunks in use), its compactions and the objects they
+    /// moved.
+    #[serde(default)]
+    pub compressed_hole_bytes: u64,
+    #[serde(default)]
+    pub compressed_compactions: u64,
+    #[serde(default)]
+    pub compressed_moves: u64,
     /// The pool sizing itself: faults on objects stored within the last step of DRAM, file
     /// faults on pages written back within the last step of pool, and its moves.
     #[serde(default)]

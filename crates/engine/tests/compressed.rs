@@ -283,3 +283,84 @@ fn a_lowered_quota_shrinks_the_pool_by_writing_back() {
     }
     e.audit().expect("books balance");
 }
+
+#[test]
+fn a_pool_left_full_of_holes_is_compacted_and_every_page_reads_back() {
+    // A pool of 4 MiB within 16 MiB, full of 2:1 pages; then the program discards every
+    // other page of its block (as a freeing allocator does), which leaves holes in the pool's
+    // chunks and nothing to fill them: the next epoch compacts it.
+    let quota = 16u64 << 20;
+    let pages = 8192;
+    let dir = scratch("holes");
+    let mut cfg = config(&dir, quota);
+    cfg.compressed_max_bytes = Some(4 << 20);
+    let e = start(&cfg);
+    let b = e.alloc(pages * PAGE, PAGE).unwrap();
+    for p in 0..pages {
+        write_page(b, 0, p, 1);
+    }
+    // Once the evictor has brought DRAM back within the quota, nothing more enters the pool.
+    let t0 = std::time::Instant::now();
+    let full = loop {
+        let s = e.snapshot();
+        if s.dram_bytes <= quota {
+            break s;
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(20),
+            "DRAM stayed above the quota: {s:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    };
+    assert!(
+        full.compressed_pool_bytes > 3 << 20 && full.compressed_pages > 1000,
+        "the pool filled: {full:?}"
+    );
+    for p in (0..pages).step_by(2) {
+        e.discard(b + p * PAGE, PAGE).unwrap();
+    }
+    // Half the pool's objects are freed, scattered over its chunks: compaction moves the rest
+    // together (it may have begun while the pages were discarded).
+    let t0 = std::time::Instant::now();
+    let s = loop {
+        let s = e.snapshot();
+        if s.compressed_compactions > full.compressed_compactions
+            && s.compressed_hole_bytes * 8 <= s.compressed_pool_bytes
+        {
+            break s;
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(20),
+            "the pool was not compacted: {s:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert!(s.compressed_moves > full.compressed_moves + 100, "{s:?}");
+    // Half its pages were discarded; the evictor's last pages may have come in since.
+    assert!(
+        s.compressed_pool_bytes * 10 < full.compressed_pool_bytes * 8,
+        "compaction gave the holes' DRAM back: {full:?} -> {s:?}"
+    );
+    let per_object = |s: &memtide_engine::Snapshot| s.compressed_pool_bytes / s.compressed_pages;
+    assert!(
+        per_object(&s) * 10 <= per_object(&full) * 11,
+        "the pool holds its objects as densely as when it was full: {full:?} -> {s:?}"
+    );
+    // Every page kept reads back as written (the pool serves the moved objects), every
+    // discarded one as zeros.
+    for p in 0..pages {
+        if p % 2 == 0 {
+            let ptr = (b + p * PAGE) as *const u64;
+            let zero = (0..PAGE / 8).all(|k| {
+                // SAFETY: page p of the block, which stays allocated after the discard.
+                unsafe { ptr.add(k).read_volatile() == 0 }
+            });
+            assert!(zero, "discarded page {p} is not zero");
+        } else {
+            assert_eq!(wrong_word(b, 0, p, 1), None, "page {p}");
+        }
+    }
+    let s = e.snapshot();
+    assert!(s.faults_compressed > 300, "{s:?}");
+    e.audit().expect("books balance");
+}

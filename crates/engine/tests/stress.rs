@@ -13,7 +13,8 @@
 //! derived from a version kept in a shadow table, so any lost or corrupted write, or a page
 //! that reads back stale or non-zero after a discard, is a mismatch. Half the pages compress
 //! about 2:1 and an eighth 3:1 (they go to the compressed pool, which fills and writes its
-//! oldest back to the file all along; lz4 under the sweep, zstd under placement), a quarter
+//! oldest back to the file all along, and is compacted as frees leave holes in it; lz4 under
+//! the sweep, zstd under placement), a quarter
 //! not at all (straight to the file), and an eighth are one word repeated. The test fails on
 //! any mismatch, and audits the engine's
 //! books against the page tables at the end.
@@ -465,7 +466,7 @@ fn main() {
 
 fn counts(world: &World, snap: &memtide_engine::Snapshot) -> String {
     format!(
-        "ops {} forks {} mismatches {} | faults zero {} tier {} (pool {}) inactive {} wait {} | pool: {} stored, {} same, {} rejected, {} written back, {} steps up, {} down | demotions {} (clean {}, zero {}) | moves underreported {} | handlers disarmed {}, armed {} | tier errors {}, mismatched reads {} | peak DRAM {} KiB of {} KiB quota",
+        "ops {} forks {} mismatches {} | faults zero {} tier {} (pool {}) inactive {} wait {} | pool: {} stored, {} same, {} rejected, {} written back, {} steps up, {} down, {} moved by {} compactions | demotions {} (clean {}, zero {}) | moves underreported {} | handlers disarmed {}, armed {} | tier errors {}, mismatched reads {} | peak DRAM {} KiB of {} KiB quota",
         world.ops.load(Ordering::Relaxed),
         world.forks.load(Ordering::Relaxed),
         world.mismatches.load(Ordering::Relaxed),
@@ -480,6 +481,8 @@ fn counts(world: &World, snap: &memtide_engine::Snapshot) -> String {
         snap.compressed_spills,
         snap.compressed_grows,
         snap.compressed_shrinks,
+        snap.compressed_moves,
+        snap.compressed_compactions,
         snap.demotions,
         snap.demotions_clean,
         snap.demotions_zero,
@@ -620,9 +623,10 @@ fn stress_eviction_racing_with_access(run_for: Duration, policy: EvictionPolicy)
             && snap.faults_tier - snap.faults_compressed > 1000
             && snap.compressed_spills > 1000
             && snap.compressed_same > 100
-            && snap.compressed_rejected > 100,
+            && snap.compressed_rejected > 100
+            && snap.compressed_moves > 100,
         "the run must exercise both levels: faults from the pool and the file, write-back \
-         from pool to file, same-filled and incompressible pages: {snap:?}"
+         from pool to file, same-filled and incompressible pages, compaction: {snap:?}"
     );
     assert!(
         snap.peak_dram_bytes <= QUOTA + 2 * (1 << 20),

@@ -29,6 +29,15 @@
 //! squeezed). Measured, it does not beat the fixed sixteenth yet (notebook, run 24), so it is
 //! not the default; two earlier ways were dropped (run 19).
 //!
+//! # Compaction
+//!
+//! Objects freed in place (copies dropped, pages brought in, freed or written back) leave holes
+//! in the pool's chunks. When they take more than [`crate::tier::COMPACT_WASTE`] of its DRAM,
+//! the evictor compacts it ([`Engine::compact_pool`]): at each epoch, and before it writes the
+//! pool's oldest objects to the file to make room, so that room a move of a few objects gives
+//! costs no write. Each object of the chunks set apart is moved with its page claimed, as a
+//! write-back does; a page in flight keeps its object where it is.
+//!
 //! # Why write-back is decompressed
 //!
 //! The file keeps whole pages in page-sized slots: a fault on it reads one page (or a run, with
@@ -50,12 +59,15 @@ use crate::pages::{State, TierCopy, Word};
 use crate::stats::Counters;
 use crate::sys::{self, Mapping};
 use crate::tier::{Codec, Handle, Pool, Stored};
+use std::collections::HashMap;
 
 /// Pages written back from the pool to the file in one batch: when the pool is full, a batch
 /// makes room for about as many new pages (the batch the evictor retires); when the pool must
 /// shrink, [`SPILL_BATCH`] a round.
 pub(super) const SPILL_ROOM: usize = 64;
 pub(super) const SPILL_BATCH: usize = 256;
+/// The most objects one compaction moves: a few milliseconds of the evictor's time at most.
+const COMPACT_BATCH: usize = 4096;
 
 /// How pages are compressed on their way out of DRAM.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -479,7 +491,10 @@ impl Engine {
             let mut stored = c.pool.store(page);
             if stored == Stored::Full && !spilled {
                 spilled = true;
-                self.spill(SPILL_ROOM);
+                // Room from the pool's holes first: moving objects writes nothing to the file.
+                if self.compact_pool() == 0 {
+                    self.spill(SPILL_ROOM);
+                }
                 stored = c.pool.store(page);
             }
             match stored {
@@ -646,6 +661,72 @@ impl Engine {
             self.pt.publish(p, State::Evicted, None);
         }
         Counters::add(&self.counters.compressed_spills, written as u64);
+        Counters::add(&self.counters.compressed_drops, dropped);
+        before.saturating_sub(c.pool.pages())
+    }
+
+    /// Compacts the pool if its holes take more than [`crate::tier::COMPACT_WASTE`] of its
+    /// DRAM (the evictor's): the objects of its sparsest chunks move into the holes of the
+    /// others, each with its page claimed; copies of pages in DRAM again are dropped on the
+    /// way. Returns the pool pages given back.
+    pub(super) fn compact_pool(&self) -> u64 {
+        let Some(c) = &self.compressed else {
+            return 0;
+        };
+        if !c.pool.stats().fragmented() {
+            return 0;
+        }
+        let before = c.pool.pages();
+        let draining = c.pool.begin_compaction(COMPACT_BATCH);
+        if draining.is_empty() {
+            c.pool.end_compaction();
+            return 0;
+        }
+        // The pages whose objects are to move, from the order of stores, which names every
+        // object (and some stale entries, which the page table tells apart).
+        let held: Vec<(usize, Handle)> = c
+            .order()
+            .iter()
+            .map(|&(p, h)| (p as usize, Handle::from_raw(h)))
+            .filter(|&(p, h)| {
+                draining.holds(h)
+                    && p < self.pt.pages()
+                    && self.pt.copy(p) == Some(TierCopy::Pool(h))
+            })
+            .collect();
+        let (mut moved, mut dropped) = (HashMap::new(), 0u64);
+        for (p, h) in held {
+            let st = self.pt.load(p).state();
+            if !matches!(st, State::Evicted | State::Mapped | State::Staged)
+                || self.pt.claim(p, st, false).is_none()
+            {
+                // On its way in or out: its object stays where it is.
+                continue;
+            }
+            if self.pt.copy(p) == Some(TierCopy::Pool(h)) {
+                if st != State::Evicted {
+                    // In DRAM again: the copy only saves a compression if it leaves again.
+                    c.pool.free(h);
+                    self.pt.set_copy(p, None);
+                    dropped += 1;
+                } else if let Some(n) = c.pool.relocate(h) {
+                    self.pt.set_copy(p, Some(TierCopy::Pool(n)));
+                    moved.insert((p as u32, h.raw()), n.raw());
+                }
+            }
+            self.pt.publish(p, st, None);
+        }
+        c.pool.end_compaction();
+        if !moved.is_empty() {
+            // Moved objects keep their place in the order of write-back.
+            for e in c.order().iter_mut() {
+                if let Some(&n) = moved.get(e) {
+                    e.1 = n;
+                }
+            }
+        }
+        Counters::bump(&self.counters.compressed_compactions);
+        Counters::add(&self.counters.compressed_moves, moved.len() as u64);
         Counters::add(&self.counters.compressed_drops, dropped);
         before.saturating_sub(c.pool.pages())
     }

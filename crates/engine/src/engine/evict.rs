@@ -58,6 +58,7 @@ impl Engine {
                 Counters::bump(&self.counters.epochs);
                 self.reap_members();
                 self.size_pool(now);
+                self.compact_pool();
             }
             let ecpu0 = sys::thread_cpu_ns();
             if self.file.reclaim.swap(false, Ordering::AcqRel)

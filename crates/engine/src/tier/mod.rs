@@ -15,7 +15,10 @@ mod uring;
 pub use encrypted::Encrypted;
 pub use faulty::{Faulty, TierFaults};
 pub use file::{FileTier, TierOpenError};
-pub use pool::{Codec, Corrupt, Handle, Pool, PoolStats, Stored, MAX_OBJECT, ZSTD_LEVEL};
+pub use pool::{
+    Codec, Corrupt, Draining, Handle, Pool, PoolStats, Stored, COMPACT_WASTE, MAX_OBJECT,
+    ZSTD_LEVEL,
+};
 pub use slots::{SlotMap, MEMBERS};
 pub use uring::{best, UringTier};
 

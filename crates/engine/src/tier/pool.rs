@@ -16,6 +16,17 @@
 //! objects may straddle the pages of a chunk. A chunk whose last object is freed gives its
 //! DRAM back at once and its slot goes to the free list.
 //!
+//! # Compaction
+//!
+//! Frees leave holes in chunks that stay in use. When the holes take more than
+//! [`COMPACT_WASTE`] of the pool's DRAM, the engine compacts it, as zsmalloc does: in each
+//! class, the sparsest partly used chunks are set apart ([`Pool::begin_compaction`]), so that
+//! nothing new is stored in them, and only as many as the other chunks of the class have room
+//! for; the holder of each of their objects moves it ([`Pool::relocate`]: its compressed bytes
+//! copied into a hole elsewhere, no decompression) and takes the new handle. A chunk emptied
+//! so gives its DRAM back; one whose objects did not all move goes back to use
+//! ([`Pool::end_compaction`]).
+//!
 //! # Concurrency
 //!
 //! `store` and `free` take the pool's lock (and `store` allocates LZ4's hash table, or takes
@@ -50,6 +61,10 @@ const MAX_CHUNK_PAGES: usize = 4;
 const SLOT: usize = MAX_CHUNK_PAGES * PAGE;
 /// A chunk slot's class while no chunk is in it.
 const NO_CLASS: u16 = u16::MAX;
+/// The share of the pool's DRAM that holes (free objects in chunks in use) may take before
+/// compaction is due: an eighth. Below it, new stores fill the holes soon enough; above it,
+/// the pool holds noticeably fewer pages than its DRAM could.
+pub const COMPACT_WASTE: f64 = 0.125;
 /// The most chunks a pool has: a handle's number stays below 2^31 - 1, so that the page
 /// table can mark it with the top bit of a word and keep one value besides.
 const MAX_CHUNKS: usize = (1 << 23) - 1;
@@ -236,11 +251,15 @@ struct Inner {
     chunks: Vec<Chunk>,
     /// Chunk slots free for reuse.
     free_chunks: Vec<usize>,
+    /// Chunks set apart for compaction: in no class's partial list, so nothing is stored in
+    /// them; their objects move out ([`Pool::relocate`]).
+    draining: Vec<usize>,
     /// Compressed bytes of the objects stored, and how many there are.
     compressed: u64,
     objects: u64,
-    /// Pages of chunks in use.
+    /// Pages of chunks in use, and the bytes of their free objects (the holes).
     pages: u64,
+    holes: u64,
 }
 
 /// A compressed pool of up to `capacity` bytes of DRAM.
@@ -266,6 +285,35 @@ pub struct PoolStats {
     pub compressed_bytes: u64,
     /// DRAM the pool's chunks take (whole chunks in use).
     pub pool_bytes: u64,
+    /// Of that, the bytes of free objects in chunks in use: what compaction could give back.
+    pub hole_bytes: u64,
+}
+
+impl PoolStats {
+    /// Whether the holes take more than [`COMPACT_WASTE`] of the pool's DRAM.
+    pub fn fragmented(&self) -> bool {
+        self.hole_bytes as f64 > COMPACT_WASTE * self.pool_bytes as f64
+    }
+}
+
+/// The chunks set apart by [`Pool::begin_compaction`]: their objects are to move.
+#[derive(Debug, Default)]
+pub struct Draining {
+    /// Sorted chunk numbers.
+    chunks: Vec<usize>,
+    /// Objects in them when they were set apart.
+    pub objects: usize,
+}
+
+impl Draining {
+    /// Whether object `h` is in one of the chunks set apart.
+    pub fn holds(&self, h: Handle) -> bool {
+        self.chunks.binary_search(&h.chunk()).is_ok()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.chunks.is_empty()
+    }
 }
 
 impl Pool {
@@ -301,9 +349,11 @@ impl Pool {
                 classes,
                 chunks: Vec::new(),
                 free_chunks: Vec::new(),
+                draining: Vec::new(),
                 compressed: 0,
                 objects: 0,
                 pages: 0,
+                holes: 0,
             }),
         })
     }
@@ -335,7 +385,7 @@ impl Pool {
         let mut g = self.lock();
         let inner = &mut *g;
         let class = (n + 2).div_ceil(ALIGN) - 1;
-        let Some((chunk, object)) = self.take_object(inner, class) else {
+        let Some((chunk, object)) = self.take_object(inner, class, true) else {
             return Stored::Full;
         };
         let at = chunk * SLOT + object * class_size(class);
@@ -352,10 +402,11 @@ impl Pool {
         Stored::Object(Handle::new(chunk, object))
     }
 
-    /// A free object of `class`: from a partial chunk, else a new or freed chunk.
-    fn take_object(&self, inner: &mut Inner, class: usize) -> Option<(usize, usize)> {
+    /// A free object of `class`: from a partial chunk, else (with `grow`) a new or freed chunk.
+    fn take_object(&self, inner: &mut Inner, class: usize, grow: bool) -> Option<(usize, usize)> {
         let chunk = match inner.classes[class].partial.last() {
             Some(&c) => c,
+            None if !grow => return None,
             None => {
                 let pages = inner.classes[class].chunk_pages;
                 if inner.pages + pages as u64 > self.capacity_pages.load(Ordering::Relaxed) {
@@ -375,6 +426,7 @@ impl Pool {
                 // Before any object of it is handed out, so that `load` finds it.
                 self.class_of[c].store(class as u16, Ordering::Release);
                 inner.pages += pages as u64;
+                inner.holes += (inner.classes[class].per_chunk * class_size(class)) as u64;
                 self.pages_now.store(inner.pages, Ordering::Release);
                 inner.classes[class].partial.push(c);
                 c
@@ -387,6 +439,7 @@ impl Pool {
             .expect("a partial chunk has a free object");
         ch.taken[object / 64] |= 1 << (object % 64);
         ch.used += 1;
+        inner.holes -= class_size(class) as u64;
         if ch.used as usize == per_chunk {
             // The chunk taken from is the last partial one.
             inner.classes[class].partial.pop();
@@ -434,7 +487,10 @@ impl Pool {
     /// Frees object `h`; a chunk left empty gives its DRAM back.
     pub fn free(&self, h: Handle) {
         let mut g = self.lock();
-        let inner = &mut *g;
+        self.free_locked(&mut g, h);
+    }
+
+    fn free_locked(&self, inner: &mut Inner, h: Handle) {
         let Some(ch) = inner.chunks.get_mut(h.chunk()) else {
             return;
         };
@@ -463,8 +519,14 @@ impl Pool {
         let empty = ch.used == 0;
         inner.compressed = inner.compressed.saturating_sub(n + 2);
         inner.objects -= 1;
+        inner.holes += class_size(class) as u64;
+        let draining = inner.draining.contains(&h.chunk());
         if empty {
             inner.classes[class].partial.retain(|&c| c != h.chunk());
+            if draining {
+                inner.draining.retain(|&c| c != h.chunk());
+            }
+            inner.holes -= (inner.classes[class].per_chunk * class_size(class)) as u64;
             let pages = inner.classes[class].chunk_pages;
             // SAFETY: every object of this chunk is freed; nothing in it is needed.
             unsafe {
@@ -474,8 +536,100 @@ impl Pool {
             inner.free_chunks.push(h.chunk());
             inner.pages -= pages as u64;
             self.pages_now.store(inner.pages, Ordering::Release);
-        } else if was_full {
+        } else if was_full && !draining {
             inner.classes[class].partial.push(h.chunk());
+        }
+    }
+
+    /// Sets apart, in each class, its sparsest partly used chunks whose objects (at most
+    /// `max_objects` in all) the class's other partly used chunks have room for: nothing is
+    /// stored in them until [`end_compaction`](Self::end_compaction). Their objects' holders
+    /// then move them with [`relocate`](Self::relocate); every chunk whose objects all move
+    /// gives its DRAM back. One compaction at a time (the caller's).
+    pub fn begin_compaction(&self, max_objects: usize) -> Draining {
+        let mut g = self.lock();
+        let inner = &mut *g;
+        let mut d = Draining::default();
+        for class in 0..CLASSES {
+            let per = inner.classes[class].per_chunk;
+            let mut partial = inner.classes[class].partial.clone();
+            if partial.len() < 2 {
+                continue;
+            }
+            let used = |c: usize| inner.chunks[c].used as usize;
+            partial.sort_by_key(|&c| used(c));
+            // Room left in the chunks that stay, as sources are taken from the sparse end.
+            let mut room: usize = partial.iter().map(|&c| per - used(c)).sum();
+            let mut moving = 0;
+            let mut taken = Vec::new();
+            for &c in &partial {
+                let (u, f) = (used(c), per - used(c));
+                if d.objects + u > max_objects || moving + u > room - f {
+                    break;
+                }
+                moving += u;
+                room -= f;
+                d.objects += u;
+                taken.push(c);
+            }
+            inner.classes[class].partial.retain(|c| !taken.contains(c));
+            d.chunks.extend_from_slice(&taken);
+        }
+        inner.draining.extend_from_slice(&d.chunks);
+        d.chunks.sort_unstable();
+        d
+    }
+
+    /// Moves object `h`, which is in a chunk set apart by
+    /// [`begin_compaction`](Self::begin_compaction), into a hole of a chunk in use of its
+    /// class (its compressed bytes as they are) and frees it: the object's new handle, or
+    /// `None` (it stays) when `h` is not such an object or the class has no hole left. The
+    /// caller holds `h` as for a load and gives the new handle to its holder.
+    pub fn relocate(&self, h: Handle) -> Option<Handle> {
+        let mut g = self.lock();
+        let inner = &mut *g;
+        if !inner.draining.contains(&h.chunk()) {
+            return None;
+        }
+        let class = self.class_of[h.chunk()].load(Ordering::Relaxed) as usize;
+        let o = h.object();
+        if class >= CLASSES || inner.chunks[h.chunk()].taken[o / 64] & (1 << (o % 64)) == 0 {
+            return None;
+        }
+        let (chunk, object) = self.take_object(inner, class, false)?;
+        let size = class_size(class);
+        // SAFETY: both lie inside chunks of the pool's mapping and are distinct objects of one
+        // class (a chunk set apart is in no partial list, so `take_object` did not pick it):
+        // the source is `h`, which the caller holds, the destination was free until now; the
+        // lock keeps every other store and free away.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                (self.memory.addr() + h.chunk() * SLOT + o * size) as *const u8,
+                (self.memory.addr() + chunk * SLOT + object * size) as *mut u8,
+                size,
+            );
+        }
+        // The object is counted once: `free_locked` takes back what `store` added.
+        let n = {
+            let at = self.memory.addr() + h.chunk() * SLOT + o * size;
+            // SAFETY: the start of object `h`, read above.
+            u16::from_le_bytes(unsafe { *(at as *const [u8; 2]) }) as u64
+        };
+        self.free_locked(inner, h);
+        inner.compressed += n + 2;
+        inner.objects += 1;
+        Some(Handle::new(chunk, object))
+    }
+
+    /// Ends a compaction: chunks set apart whose objects did not all move are used again.
+    pub fn end_compaction(&self) {
+        let mut g = self.lock();
+        let inner = &mut *g;
+        for c in std::mem::take(&mut inner.draining) {
+            let class = self.class_of[c].load(Ordering::Relaxed) as usize;
+            if class < CLASSES && inner.chunks[c].used > 0 {
+                inner.classes[class].partial.push(c);
+            }
         }
     }
 
@@ -510,6 +664,7 @@ impl Pool {
             objects: g.objects,
             compressed_bytes: g.compressed,
             pool_bytes: g.pages * PAGE as u64,
+            hole_bytes: g.holes,
         }
     }
 }
@@ -710,20 +865,139 @@ mod tests {
         assert_eq!(pool.stats(), PoolStats::default());
     }
 
+    /// Moves every object of the chunks set apart that `held` names (as a holder would),
+    /// skipping those `skip` picks; returns how many moved.
+    fn compact(
+        pool: &Pool,
+        held: &mut [(Handle, u64, usize)],
+        skip: impl Fn(usize) -> bool,
+    ) -> usize {
+        let d = pool.begin_compaction(usize::MAX);
+        let mut moved = 0;
+        for (k, (h, _, _)) in held.iter_mut().enumerate() {
+            if d.holds(*h) && !skip(k) {
+                *h = pool
+                    .relocate(*h)
+                    .expect("the class has room for what was set apart");
+                moved += 1;
+            }
+        }
+        pool.end_compaction();
+        moved
+    }
+
+    #[test]
+    fn compaction_gives_chunks_back_and_every_page_still_loads() {
+        let pool = Pool::new(8 << 20, 8 << 20, Codec::Lz4, 1).unwrap();
+        // Four sizes of object, then two in three freed: holes everywhere.
+        let mut held: Vec<(Handle, u64, usize)> = (0..2000u64)
+            .map(|seed| {
+                let random = [20, 90, 180, 300][seed as usize % 4];
+                match pool.store(&page(seed, random)) {
+                    Stored::Object(h) => (h, seed, random),
+                    other => panic!("{other:?}"),
+                }
+            })
+            .collect();
+        let mut k = 0;
+        held.retain(|&(h, _, _)| {
+            k += 1;
+            if k % 3 != 0 {
+                pool.free(h);
+            }
+            k % 3 == 0
+        });
+        let before = pool.stats();
+        assert!(before.fragmented(), "{before:?}");
+        let moved = compact(&pool, &mut held, |_| false);
+        let after = pool.stats();
+        assert!(moved > 0);
+        assert_eq!(after.objects, before.objects);
+        assert_eq!(after.compressed_bytes, before.compressed_bytes);
+        assert!(
+            after.pool_bytes * 2 < before.pool_bytes,
+            "a third of the objects left: {before:?} -> {after:?}"
+        );
+        assert!(!after.fragmented(), "{after:?}");
+        let mut out = [0u8; PAGE];
+        for &(h, seed, random) in &held {
+            pool.load(h, &mut out).unwrap();
+            assert!(
+                out == *page(seed, random),
+                "page {seed} came back different"
+            );
+        }
+        // New stores fill the chunks again once the compaction is over.
+        assert!(matches!(pool.store(&page(9999, 180)), Stored::Object(_)));
+    }
+
+    #[test]
+    fn nothing_is_stored_in_a_chunk_set_apart_and_an_unmoved_object_stays() {
+        let pool = Pool::new(1 << 20, 1 << 20, Codec::Lz4, 1).unwrap();
+        // Chunks of one class, then every other object freed: each chunk half empty.
+        let mut held: Vec<(Handle, u64, usize)> = (0..60u64)
+            .map(|seed| match pool.store(&page(seed, 100)) {
+                Stored::Object(h) => (h, seed, 100),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        let chunks: std::collections::BTreeSet<usize> = held.iter().map(|h| h.0.chunk()).collect();
+        assert!(chunks.len() >= 2, "{chunks:?}");
+        let mut k = 0;
+        held.retain(|&(h, _, _)| {
+            k += 1;
+            if k % 2 == 0 {
+                pool.free(h);
+            }
+            k % 2 == 1
+        });
+        let d = pool.begin_compaction(usize::MAX);
+        assert!(!d.is_empty());
+        // A store meanwhile goes into a chunk that stays.
+        let Stored::Object(fresh) = pool.store(&page(5000, 100)) else {
+            panic!()
+        };
+        assert!(!d.holds(fresh), "stored into a chunk set apart");
+        // An object its holder does not move stays where it is and loads.
+        let stays = held.iter().position(|h| d.holds(h.0)).unwrap();
+        for (k, (h, _, _)) in held.iter_mut().enumerate() {
+            if d.holds(*h) && k != stays {
+                *h = pool.relocate(*h).unwrap();
+            }
+        }
+        pool.end_compaction();
+        assert_eq!(pool.relocate(held[stays].0), None, "compaction is over");
+        let mut out = [0u8; PAGE];
+        for &(h, seed, random) in &held {
+            pool.load(h, &mut out).unwrap();
+            assert!(out == *page(seed, random));
+        }
+        pool.load(fresh, &mut out).unwrap();
+        assert!(out == *page(5000, 100));
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(64))]
         /// Stores and frees in any order: every held object loads its page, the counts add
         /// up, and a pool emptied of objects holds no DRAM.
         #[test]
-        fn stores_and_frees_keep_every_page(
-            ops in proptest::collection::vec((any::<bool>(), 0u64..1000, 1usize..400), 1..300),
+        fn stores_frees_and_compactions_keep_every_page(
+            ops in proptest::collection::vec((0u8..8, 0u64..1000, 1usize..400), 1..300),
             zstd in any::<bool>(),
         ) {
             let codec = if zstd { Codec::Zstd } else { Codec::Lz4 };
             let pool = Pool::new(4 << 20, 4 << 20, codec, 1).unwrap();
             let mut held: Vec<(Handle, u64, usize)> = Vec::new();
-            for (store, seed, random) in ops {
-                if store || held.is_empty() {
+            for (op, seed, random) in ops {
+                if op == 0 {
+                    // A compaction whose holder cannot move some objects (pages in flight).
+                    let before = pool.stats();
+                    compact(&pool, &mut held, |k| (k as u64 + seed).is_multiple_of(5));
+                    let after = pool.stats();
+                    prop_assert_eq!(after.objects, before.objects);
+                    prop_assert_eq!(after.compressed_bytes, before.compressed_bytes);
+                    prop_assert!(after.pool_bytes <= before.pool_bytes);
+                } else if op < 5 || held.is_empty() {
                     if let Stored::Object(h) = pool.store(&page(seed, random)) {
                         held.push((h, seed, random));
                     }
