@@ -526,20 +526,46 @@ fn write_trace(dir: &Path, to: &Path) -> Result<(u64, u64)> {
         }
     }
     events.sort_by_key(|r| r.0.time_ns);
-    let dropped: u64 = summary::collect(dir)
-        .latest
-        .values()
-        .map(|s| s.recorded_dropped)
-        .sum();
-    let mut w = Writer::with_levels(
+    let collected = summary::collect(dir);
+    let dropped: u64 = collected.latest.values().map(|s| s.recorded_dropped).sum();
+    let mut w = Writer::recording(
         std::io::BufWriter::new(std::fs::File::create(to)?),
         memtide_policy::PAGE_SIZE as u32,
+        pool_figures(&collected),
     )?;
     for &(r, level) in &events {
         w.record_at(r, level)?;
     }
     w.finish()?;
     Ok((events.len() as u64, dropped))
+}
+
+/// What the run's compressed pool measured, for its trace: the pages it held per page of its
+/// DRAM (over every process, as they ended, or at their peak if their pools were empty by
+/// then) and the median pool fault of the process that took the most. `None` without a pool.
+fn pool_figures(c: &summary::Collected) -> Option<memtide_sim::PoolFigures> {
+    let held = |m: &std::collections::BTreeMap<u32, memtide_engine::Snapshot>| {
+        m.values().fold((0u64, 0u64), |(p, b), s| {
+            (p + s.compressed_pages, b + s.compressed_pool_bytes)
+        })
+    };
+    let (pages, bytes) = match held(&c.latest) {
+        (_, 0) => held(&c.at_peak),
+        h => h,
+    };
+    if bytes == 0 {
+        return None;
+    }
+    let fault_us = c
+        .latest
+        .values()
+        .max_by_key(|s| s.faults_compressed)
+        .filter(|s| s.faults_compressed > 0)
+        .map_or(0.0, |s| s.fault_compressed_latency_p50_us);
+    Some(memtide_sim::PoolFigures {
+        ratio: (pages * memtide_policy::PAGE_SIZE as u64) as f64 / bytes as f64,
+        fault_ns: fault_us * 1e3,
+    })
 }
 
 /// The status a single `memtide run --metrics` serves: the program as the only tenant, its

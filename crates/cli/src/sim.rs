@@ -96,11 +96,12 @@ pub struct SimArgs {
     /// With --compressed: pages the pool holds per page of its DRAM (the engine's `--stats`
     /// show it as compressed_pages over compressed_pool_bytes; about 1.8 for pages that lz4
     /// halves, 1 for incompressible ones).
-    /// [default: 2]
+    /// [default: what the recording's pool held, for a trace of `memtide run --record`; else 2]
     #[arg(long, value_parser = ratio)]
     pub ratio: Option<f64>,
     /// With --compressed: cost of a miss served from the pool (fault, decompression, map).
-    /// [default: 15us]
+    /// [default: the recording's median pool fault, for a trace of `memtide run --record`;
+    /// else 15us]
     #[arg(long, value_parser = opts::latency_ns)]
     pub compressed_latency: Option<f64>,
     /// Cost of a soft fault on memtide's inactive list.
@@ -260,6 +261,13 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
                     "; as recorded, {dram} first touches and hint faults, {pool} from the compressed pool, {file} from the file"
                 );
             }
+            if let Some(p) = t.pool {
+                label += &format!(
+                    "; its pool held {:.2} pages per page of DRAM, a pool fault took {:.1} µs (p50)",
+                    p.ratio,
+                    p.fault_ns / 1e3
+                );
+            }
             (Source::Trace(t), label)
         }
         (None, None) => bail!("give --workload or --trace"),
@@ -307,7 +315,17 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
     // Once each, in the order given (an older name and its new one are the same policy).
     let mut seen = std::collections::HashSet::new();
     policies.retain(|p| seen.insert(p.clone()));
-    let lat = latency(&a)?;
+    let mut lat = latency(&a)?;
+    // A recording's pool measured its own ratio and fault time: the defaults for its replay.
+    let recorded = match &spec {
+        Source::Trace(t) => t.pool,
+        Source::Spec(_) => None,
+    };
+    if let Some(p) = recorded.filter(|p| p.fault_ns > 0.0) {
+        if a.compressed_latency.is_none() {
+            lat.compressed_ns = p.fault_ns;
+        }
+    }
     // `placement` and `sweep` model the engine, which takes no quota under 64 KiB.
     let engine_modelled = |p: &str| p == "placement" || p == "sweep";
     for &d in &sizes {
@@ -327,7 +345,13 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
     if !leveled && (a.ratio.is_some() || a.compressed_latency.is_some()) {
         bail!("--ratio and --compressed-latency describe the pool of --compressed");
     }
-    let ratio = a.ratio.unwrap_or(2.0);
+    let ratio = a.ratio.or(recorded.map(|p| p.ratio)).unwrap_or(2.0);
+    if leveled && a.ratio.is_none() && recorded.is_some() {
+        eprintln!(
+            "memtide sim: the pool holds {ratio:.2} pages per page of DRAM and a pool miss costs {:.1} µs, as the recording measured (--ratio and --compressed-latency set others)",
+            lat.compressed_ns / 1e3
+        );
+    }
     let jobs: Vec<Job> = sizes
         .iter()
         .flat_map(|&d| {

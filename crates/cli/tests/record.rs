@@ -134,6 +134,40 @@ fn a_recorded_run_says_which_level_served_each_fault() {
         )),
         "{err}"
     );
+    // The trace keeps what the pool measured: the pages it held per page of its DRAM, as the
+    // run ended, and its median fault; a replay with a pool models it with those.
+    let figures = t.pool.expect("a recording with a pool keeps its figures");
+    let held = (n("compressed_pages") * 4096) as f64 / n("compressed_pool_bytes") as f64;
+    assert!(
+        (figures.ratio - held).abs() < 1e-9,
+        "{figures:?}, the run's stats say {held}"
+    );
+    assert!(figures.ratio > 1.3, "2:1 pages, held at {}", figures.ratio);
+    let p50_ns = st["fault_compressed_latency_p50_us"].as_f64().unwrap() * 1e3;
+    assert!((figures.fault_ns - p50_ns).abs() < 1e-6, "{figures:?}");
+    let o = memtide()
+        .args(["sim", "--trace"])
+        .arg(&trace)
+        .args([
+            "--dram",
+            "64MiB",
+            "--policy",
+            "sweep",
+            "--compressed",
+            "25%",
+        ])
+        .output()
+        .unwrap();
+    let err = common::stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains(&format!(
+            "the pool holds {:.2} pages per page of DRAM and a pool miss costs {:.1} µs, as the recording measured",
+            figures.ratio,
+            figures.fault_ns / 1e3
+        )),
+        "{err}"
+    );
 }
 
 #[test]

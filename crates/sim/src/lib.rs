@@ -11,7 +11,7 @@ pub mod trace;
 pub mod workload;
 
 pub use policies::{Latency, Outcome, PoolModel};
-pub use trace::{Trace, TraceError};
+pub use trace::{PoolFigures, Trace, TraceError};
 pub use workload::{Spec, SpecError};
 
 /// What to replay: a synthetic workload or a recorded trace.

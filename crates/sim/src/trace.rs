@@ -7,8 +7,12 @@
 //! ```text
 //! header   8  magic "MTTRACE\0"
 //!          2  version = 1
-//!          2  flags: bit 0 LEVELS (each record says which level served it); others 0
+//!          2  flags: bit 0 LEVELS (each record says which level served it), bit 1 POOL
+//!             (the pool block follows); others 0
 //!          4  page size in bytes
+//! pool     16 with POOL only: what the recording run's compressed pool measured
+//!          8  pages it held per page of its DRAM (f64, 1 to 64)
+//!          8  a fault served from it, median, in ns (f64; 0 if none was)
 //! records  one per access, LEB128 varints:
 //!            time delta in ns since the previous record
 //!            tag = zigzag(page - previous page of the same stream) << 2
@@ -32,6 +36,8 @@ const MAGIC: &[u8; 8] = b"MTTRACE\0";
 const END: &[u8; 8] = b"MTTEND\0\0";
 const VERSION: u16 = 1;
 const HEADER: usize = 16;
+/// The pool block's size (after the header, with [`FLAG_POOL`]).
+const POOL_BLOCK: usize = 16;
 const TRAILER: usize = 24;
 
 /// Why a trace could not be read; one line each.
@@ -74,6 +80,25 @@ impl Level {
 
 /// Header flag: records carry a [`Level`].
 const FLAG_LEVELS: u16 = 1;
+/// Header flag: the pool block ([`PoolFigures`]) follows the header.
+const FLAG_POOL: u16 = 2;
+
+/// What the recording run's compressed pool measured, kept in its trace so that a replay
+/// can model the same pool (`memtide sim --trace --compressed`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PoolFigures {
+    /// Pages the pool held per page of its DRAM (the engine's compressed_pages over
+    /// compressed_pool_bytes): what compression and packing made of this program's pages.
+    pub ratio: f64,
+    /// A fault served from the pool, median, in ns; 0 if none was.
+    pub fault_ns: f64,
+}
+
+impl PoolFigures {
+    fn valid(&self) -> bool {
+        (1.0..=64.0).contains(&self.ratio) && self.fault_ns.is_finite() && self.fault_ns >= 0.0
+    }
+}
 
 /// One access.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -124,21 +149,45 @@ pub struct Writer<W: Write> {
 impl<W: Write> Writer<W> {
     /// A trace whose records say nothing of levels.
     pub fn new(out: W, page_size: u32) -> io::Result<Writer<W>> {
-        Writer::start(out, page_size, false)
+        Writer::start(out, page_size, false, None)
     }
 
     /// A trace whose records say which level served each ([`Writer::record_at`]).
     pub fn with_levels(out: W, page_size: u32) -> io::Result<Writer<W>> {
-        Writer::start(out, page_size, true)
+        Writer::start(out, page_size, true, None)
     }
 
-    fn start(mut out: W, page_size: u32, levels: bool) -> io::Result<Writer<W>> {
-        let mut h = Vec::with_capacity(HEADER);
+    /// A recording's trace: with levels, and what its compressed pool measured, if it had
+    /// one (a ratio below 1, from a pool left with holes, is kept as 1).
+    pub fn recording(out: W, page_size: u32, pool: Option<PoolFigures>) -> io::Result<Writer<W>> {
+        let pool = pool.map(|p| PoolFigures {
+            ratio: p.ratio.clamp(1.0, 64.0),
+            fault_ns: if p.fault_ns.is_finite() {
+                p.fault_ns.max(0.0)
+            } else {
+                0.0
+            },
+        });
+        Writer::start(out, page_size, true, pool)
+    }
+
+    fn start(
+        mut out: W,
+        page_size: u32,
+        levels: bool,
+        pool: Option<PoolFigures>,
+    ) -> io::Result<Writer<W>> {
+        let mut h = Vec::with_capacity(HEADER + POOL_BLOCK);
         h.extend_from_slice(MAGIC);
         h.extend_from_slice(&VERSION.to_le_bytes());
-        let flags = if levels { FLAG_LEVELS } else { 0 };
+        let flags =
+            if levels { FLAG_LEVELS } else { 0 } | if pool.is_some() { FLAG_POOL } else { 0 };
         h.extend_from_slice(&flags.to_le_bytes());
         h.extend_from_slice(&page_size.to_le_bytes());
+        if let Some(p) = pool {
+            h.extend_from_slice(&p.ratio.to_le_bytes());
+            h.extend_from_slice(&p.fault_ns.to_le_bytes());
+        }
         out.write_all(&h)?;
         Ok(Writer {
             out,
@@ -204,6 +253,10 @@ pub struct Trace {
     pub tenant_pages: Vec<u64>,
     /// In a trace with levels: records served from each [`Level`], in its order.
     pub levels: Option<[u64; 4]>,
+    /// In a recording's trace: what its compressed pool measured.
+    pub pool: Option<PoolFigures>,
+    /// Where the records start (after the header and its pool block).
+    body_start: usize,
     /// A one-tenant trace's accesses as `page << 1 | write`, decoded once by `parse` (which
     /// reads every record anyway) when they take at most [`DECODED_MAX`] bytes, so that
     /// replays need not decode them again.
@@ -227,21 +280,35 @@ impl Trace {
             return Err(TraceError::Version(version));
         }
         let flags = u16::from_le_bytes([data[10], data[11]]);
-        if flags & !FLAG_LEVELS != 0 {
+        if flags & !(FLAG_LEVELS | FLAG_POOL) != 0 {
             return Err(TraceError::Corrupt("unknown header flags"));
         }
         let levels = flags & FLAG_LEVELS != 0;
+        let body_start = if flags & FLAG_POOL != 0 {
+            HEADER + POOL_BLOCK
+        } else {
+            HEADER
+        };
         let page_size = u32::from_le_bytes(data[12..16].try_into().expect("4 bytes"));
         if !page_size.is_power_of_two() || page_size < 512 {
             return Err(TraceError::Corrupt("page size is not a power of two"));
         }
-        if data.len() < HEADER + TRAILER || &data[data.len() - TRAILER..data.len() - 16] != END {
+        if data.len() < body_start + TRAILER || &data[data.len() - TRAILER..data.len() - 16] != END
+        {
             return Err(TraceError::Truncated);
+        }
+        let f64_at = |at: usize| f64::from_le_bytes(data[at..at + 8].try_into().expect("8 bytes"));
+        let pool = (flags & FLAG_POOL != 0).then(|| PoolFigures {
+            ratio: f64_at(HEADER),
+            fault_ns: f64_at(HEADER + 8),
+        });
+        if pool.is_some_and(|p| !p.valid()) {
+            return Err(TraceError::Corrupt("pool figures out of range"));
         }
         let t = &data[data.len() - 16..];
         let count = u64::from_le_bytes(t[..8].try_into().expect("8 bytes"));
         let hash = u64::from_le_bytes(t[8..].try_into().expect("8 bytes"));
-        let body = &data[HEADER..data.len() - TRAILER];
+        let body = &data[body_start..data.len() - TRAILER];
         if fnv1a(FNV_START, body) != hash {
             return Err(TraceError::Corrupt("checksum mismatch"));
         }
@@ -250,6 +317,8 @@ impl Trace {
             records: count,
             tenant_pages: vec![],
             levels: None,
+            pool,
+            body_start,
             data: Vec::new(),
             decoded: None,
         };
@@ -309,7 +378,7 @@ impl Trace {
     /// without levels).
     pub fn records_at(&self) -> impl Iterator<Item = (Record, Level)> + '_ {
         Records::new(
-            &self.data[HEADER..self.data.len() - TRAILER],
+            &self.data[self.body_start..self.data.len() - TRAILER],
             self.levels.is_some(),
         )
         .map(|r| r.expect("validated by parse"))
@@ -461,10 +530,55 @@ mod tests {
         assert!(plain.records_at().all(|(_, l)| l == Level::Unknown));
         // A flag this version does not know is refused.
         let mut odd = encode(&sample());
-        odd[10] |= 2;
+        odd[10] |= 4;
         assert_eq!(
             Trace::parse(odd).unwrap_err(),
             TraceError::Corrupt("unknown header flags")
+        );
+    }
+
+    #[test]
+    fn a_recording_keeps_what_its_pool_measured() {
+        let figures = PoolFigures {
+            ratio: 1.74,
+            fault_ns: 13_824.0,
+        };
+        let mut w = Writer::recording(Vec::new(), 4096, Some(figures)).unwrap();
+        for r in sample() {
+            w.record_at(r, Level::Pool).unwrap();
+        }
+        let bytes = w.finish().unwrap();
+        let t = Trace::parse(bytes.clone()).unwrap();
+        assert_eq!(t.pool, Some(figures));
+        assert_eq!(t.records().collect::<Vec<_>>(), sample());
+        assert_eq!(t.levels, Some([0, 0, 4, 0]));
+        // Without a pool, no block; a ratio below 1 (a pool left with holes) is kept as 1.
+        let none = Writer::recording(Vec::new(), 4096, None)
+            .unwrap()
+            .finish()
+            .unwrap();
+        assert_eq!(Trace::parse(none).unwrap().pool, None);
+        let holed = PoolFigures {
+            ratio: 0.8,
+            fault_ns: f64::NAN,
+        };
+        let low = Writer::recording(Vec::new(), 4096, Some(holed))
+            .unwrap()
+            .finish()
+            .unwrap();
+        assert_eq!(
+            Trace::parse(low).unwrap().pool,
+            Some(PoolFigures {
+                ratio: 1.0,
+                fault_ns: 0.0
+            })
+        );
+        // Figures out of range are corruption.
+        let mut bad = bytes;
+        bad[HEADER..HEADER + 8].copy_from_slice(&1000.0f64.to_le_bytes());
+        assert_eq!(
+            Trace::parse(bad).unwrap_err(),
+            TraceError::Corrupt("pool figures out of range")
         );
     }
 
