@@ -388,7 +388,8 @@ impl Compressed {
     /// Whether the pool has room for more objects and took some of the last batch that
     /// the file could not.
     pub(super) fn has_room(&self) -> bool {
-        self.pool.pages() + 4 <= self.pool.capacity_pages() && !self.futile.load(Ordering::Relaxed)
+        self.pool.pages() + crate::tier::MAX_CHUNK_PAGES as u64 <= self.pool.capacity_pages()
+            && !self.futile.load(Ordering::Relaxed)
     }
 
     /// Whether the pool sizes itself.

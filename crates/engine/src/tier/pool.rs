@@ -10,9 +10,9 @@
 //! # Layout
 //!
 //! One anonymous mapping, reserved whole at the start (address space only), cut into chunk
-//! slots of four pages. A size class holds objects of up to `size` bytes (a multiple of 64, the
-//! first two bytes of each object its compressed length); its chunks use the first 1–4 pages
-//! of their slot, whichever wastes least (the rest of the slot is address space only), and
+//! slots of [`MAX_CHUNK_PAGES`] pages. A size class holds objects of up to `size` bytes (a
+//! multiple of 64, the first two bytes of each object its compressed length); its chunks use
+//! the first 1–8 pages of their slot, whichever wastes least (the rest of the slot is address space only), and
 //! objects may straddle the pages of a chunk. A chunk whose last object is freed gives its
 //! DRAM back at once and its slot goes to the free list.
 //!
@@ -56,8 +56,10 @@ pub const MAX_OBJECT: usize = 3 * PAGE / 4;
 const CLASSES: usize = MAX_OBJECT / ALIGN;
 /// Room for LZ4's output of a page, however incompressible.
 const COMPRESSED_MAX: usize = lz4_flex::block::get_maximum_output_size(PAGE);
-/// The most pages a chunk spans: the size of a chunk slot.
-const MAX_CHUNK_PAGES: usize = 4;
+/// The most pages a chunk spans: the size of a chunk slot. Eight (as zsmalloc's default chain
+/// of eight pages) packs objects of 2 KiB, a page that compresses 2:1, with 3% of the chunk
+/// left over at its end, where four left 8%.
+pub const MAX_CHUNK_PAGES: usize = 8;
 const SLOT: usize = MAX_CHUNK_PAGES * PAGE;
 /// A chunk slot's class while no chunk is in it.
 const NO_CLASS: u16 = u16::MAX;
@@ -179,13 +181,15 @@ fn class_size(class: usize) -> usize {
     (class + 1) * ALIGN
 }
 
-/// The chunk of 1–4 pages that wastes the fewest bytes per object, for objects of `size`, and
-/// how many objects it holds.
+/// The chunk of 1 to [`MAX_CHUNK_PAGES`] pages that wastes the fewest bytes per page, for
+/// objects of `size`, and how many objects it holds (at most 256: a handle's object number
+/// is a byte).
 fn chunk_shape(size: usize) -> (usize, usize) {
+    let per = |p: usize| (p * PAGE / size).min(256);
     let pages = (1..=MAX_CHUNK_PAGES)
-        .min_by_key(|&p| (p * PAGE % size) * MAX_CHUNK_PAGES / p)
-        .expect("four choices");
-    (pages, (pages * PAGE / size).min(256))
+        .min_by_key(|&p| (p * PAGE - per(p) * size) * MAX_CHUNK_PAGES / p)
+        .expect("at least one choice");
+    (pages, per(pages))
 }
 
 /// Where a stored page is: the chunk and the object in it.
@@ -821,7 +825,7 @@ mod tests {
                 assert!(n < 100_000);
             }
             let s = pool.stats();
-            // Full once another chunk would not fit: within one chunk (4 pages) of it.
+            // Full once another chunk would not fit: within one chunk of it.
             assert!(
                 s.pool_bytes <= (capacity_pages * PAGE) as u64
                     && s.pool_bytes + (MAX_CHUNK_PAGES * PAGE) as u64
