@@ -684,9 +684,11 @@ impl Engine {
             return 0;
         }
         // The pages whose objects are to move, from the order of stores, which names every
-        // object (and some stale entries, which the page table tells apart).
-        let held: Vec<(usize, Handle)> = c
-            .order()
+        // object (and some stale entries, which the page table tells apart). The order stays
+        // locked until the moved objects' entries name their new handles, so that no one
+        // (an mremap dropping stale entries) takes a moved object's entry for a stale one.
+        let mut order = c.order();
+        let held: Vec<(usize, Handle)> = order
             .iter()
             .map(|&(p, h)| (p as usize, Handle::from_raw(h)))
             .filter(|&(p, h)| {
@@ -720,12 +722,13 @@ impl Engine {
         c.pool.end_compaction();
         if !moved.is_empty() {
             // Moved objects keep their place in the order of write-back.
-            for e in c.order().iter_mut() {
-                if let Some(&n) = moved.get(e) {
+            for e in order.iter_mut() {
+                if let Some(&n) = moved.get(&*e) {
                     e.1 = n;
                 }
             }
         }
+        drop(order);
         Counters::bump(&self.counters.compressed_compactions);
         Counters::add(&self.counters.compressed_moves, moved.len() as u64);
         Counters::add(&self.counters.compressed_drops, dropped);
