@@ -321,10 +321,12 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
         Source::Trace(t) => t.pool,
         Source::Spec(_) => None,
     };
-    if let Some(p) = recorded.filter(|p| p.fault_ns > 0.0) {
-        if a.compressed_latency.is_none() {
-            lat.compressed_ns = p.fault_ns;
-        }
+    let recorded_ratio = recorded.filter(|_| a.ratio.is_none()).map(|p| p.ratio);
+    let recorded_ns = recorded
+        .filter(|p| a.compressed_latency.is_none() && p.fault_ns > 0.0)
+        .map(|p| p.fault_ns);
+    if let Some(ns) = recorded_ns {
+        lat.compressed_ns = ns;
     }
     // `placement` and `sweep` model the engine, which takes no quota under 64 KiB.
     let engine_modelled = |p: &str| p == "placement" || p == "sweep";
@@ -345,12 +347,26 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
     if !leveled && (a.ratio.is_some() || a.compressed_latency.is_some()) {
         bail!("--ratio and --compressed-latency describe the pool of --compressed");
     }
-    let ratio = a.ratio.or(recorded.map(|p| p.ratio)).unwrap_or(2.0);
-    if leveled && a.ratio.is_none() && recorded.is_some() {
-        eprintln!(
-            "memtide sim: the pool holds {ratio:.2} pages per page of DRAM and a pool miss costs {:.1} µs, as the recording measured (--ratio and --compressed-latency set others)",
-            lat.compressed_ns / 1e3
-        );
+    let ratio = a.ratio.or(recorded_ratio).unwrap_or(2.0);
+    if leveled {
+        let mut taken = Vec::new();
+        if let Some(r) = recorded_ratio {
+            taken.push(format!(
+                "the pool holds {r:.2} pages per page of DRAM (--ratio sets another)"
+            ));
+        }
+        if let Some(ns) = recorded_ns {
+            taken.push(format!(
+                "a pool miss costs {:.1} µs, the engine's own time in the fault without its wake-ups (--compressed-latency sets another)",
+                ns / 1e3
+            ));
+        }
+        if !taken.is_empty() {
+            eprintln!(
+                "memtide sim: as the recording measured, {}",
+                taken.join("; ")
+            );
+        }
     }
     let jobs: Vec<Job> = sizes
         .iter()

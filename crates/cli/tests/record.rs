@@ -162,10 +162,32 @@ fn a_recorded_run_says_which_level_served_each_fault() {
     assert!(o.status.success(), "{err}");
     assert!(
         err.contains(&format!(
-            "the pool holds {:.2} pages per page of DRAM and a pool miss costs {:.1} µs, as the recording measured",
+            "as the recording measured, the pool holds {:.2} pages per page of DRAM (--ratio sets another); a pool miss costs {:.1} µs",
             figures.ratio,
             figures.fault_ns / 1e3
         )),
+        "{err}"
+    );
+    // A figure given on the command line is used instead, and not said to be the recording's.
+    let o = memtide()
+        .args(["sim", "--trace"])
+        .arg(&trace)
+        .args([
+            "--dram",
+            "64MiB",
+            "--policy",
+            "sweep",
+            "--compressed",
+            "25%",
+        ])
+        .args(["--ratio", "1.5"])
+        .output()
+        .unwrap();
+    let err = common::stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("as the recording measured, a pool miss costs")
+            && !err.contains("pages per page of DRAM (--ratio"),
         "{err}"
     );
 }

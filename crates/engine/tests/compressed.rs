@@ -361,6 +361,9 @@ fn a_pool_left_full_of_holes_is_compacted_and_every_page_reads_back() {
         }
     }
     let s = e.snapshot();
-    assert!(s.faults_compressed > 300, "{s:?}");
+    assert!(
+        s.faults_compressed > full.faults_compressed + 300,
+        "the pool served the pages kept: {s:?}"
+    );
     e.audit().expect("books balance");
 }

@@ -12,7 +12,8 @@
 //!          4  page size in bytes
 //! pool     16 with POOL only: what the recording run's compressed pool measured
 //!          8  pages it held per page of its DRAM (f64, 1 to 64)
-//!          8  a fault served from it, median, in ns (f64; 0 if none was)
+//!          8  a fault served from it, median as the engine timed it (without the
+//!             wake-ups around it), in ns (f64; 0 if none was)
 //! records  one per access, LEB128 varints:
 //!            time delta in ns since the previous record
 //!            tag = zigzag(page - previous page of the same stream) << 2
@@ -23,8 +24,11 @@
 //!            tenant id, only when tenant_changed (the stream starts at tenant 0)
 //! trailer  8  magic "MTTEND\0\0"
 //!          8  number of records
-//!          8  FNV-1a 64 of the record bytes
+//!          8  FNV-1a 64 of the pool block (if any) and the record bytes
 //! ```
+//!
+//! The pool block came after the first traces: a reader from before it refuses a trace with
+//! one ("unknown header flags"); traces without it read as they always did.
 //!
 //! Page numbers are per tenant (each tenant has its own address space); page deltas are taken
 //! against the previous record whatever its tenant. A file without a valid trailer is
@@ -90,7 +94,8 @@ pub struct PoolFigures {
     /// Pages the pool held per page of its DRAM (the engine's compressed_pages over
     /// compressed_pool_bytes): what compression and packing made of this program's pages.
     pub ratio: f64,
-    /// A fault served from the pool, median, in ns; 0 if none was.
+    /// A fault served from the pool, median, in ns, as the engine timed it inside the fault
+    /// (without the wake-ups of the handler and the faulting thread around it); 0 if none was.
     pub fault_ns: f64,
 }
 
@@ -160,13 +165,10 @@ impl<W: Write> Writer<W> {
     /// A recording's trace: with levels, and what its compressed pool measured, if it had
     /// one (a ratio below 1, from a pool left with holes, is kept as 1).
     pub fn recording(out: W, page_size: u32, pool: Option<PoolFigures>) -> io::Result<Writer<W>> {
+        let finite = |v: f64, or: f64| if v.is_finite() { v } else { or };
         let pool = pool.map(|p| PoolFigures {
-            ratio: p.ratio.clamp(1.0, 64.0),
-            fault_ns: if p.fault_ns.is_finite() {
-                p.fault_ns.max(0.0)
-            } else {
-                0.0
-            },
+            ratio: finite(p.ratio, 1.0).clamp(1.0, 64.0),
+            fault_ns: finite(p.fault_ns, 0.0).max(0.0),
         });
         Writer::start(out, page_size, true, pool)
     }
@@ -192,7 +194,8 @@ impl<W: Write> Writer<W> {
         Ok(Writer {
             out,
             buf: Vec::with_capacity(1 << 16),
-            hash: FNV_START,
+            // The checksum covers the pool block too.
+            hash: fnv1a(FNV_START, &h[HEADER..]),
             count: 0,
             last_time: 0,
             last_page: 0,
@@ -309,7 +312,7 @@ impl Trace {
         let count = u64::from_le_bytes(t[..8].try_into().expect("8 bytes"));
         let hash = u64::from_le_bytes(t[8..].try_into().expect("8 bytes"));
         let body = &data[body_start..data.len() - TRAILER];
-        if fnv1a(FNV_START, body) != hash {
+        if fnv1a(fnv1a(FNV_START, &data[HEADER..body_start]), body) != hash {
             return Err(TraceError::Corrupt("checksum mismatch"));
         }
         let mut trace = Trace {
@@ -573,12 +576,35 @@ mod tests {
                 fault_ns: 0.0
             })
         );
-        // Figures out of range are corruption.
-        let mut bad = bytes;
+        // Figures out of range are corruption; so is a changed figure (the checksum covers
+        // them).
+        let mut bad = bytes.clone();
         bad[HEADER..HEADER + 8].copy_from_slice(&1000.0f64.to_le_bytes());
         assert_eq!(
             Trace::parse(bad).unwrap_err(),
             TraceError::Corrupt("pool figures out of range")
+        );
+        let mut flipped = bytes;
+        flipped[HEADER + 3] ^= 0x10;
+        assert_eq!(
+            Trace::parse(flipped).unwrap_err(),
+            TraceError::Corrupt("checksum mismatch")
+        );
+        // A writer never makes a trace its reader refuses.
+        let nan = PoolFigures {
+            ratio: f64::NAN,
+            fault_ns: f64::INFINITY,
+        };
+        let odd = Writer::recording(Vec::new(), 4096, Some(nan))
+            .unwrap()
+            .finish()
+            .unwrap();
+        assert_eq!(
+            Trace::parse(odd).unwrap().pool,
+            Some(PoolFigures {
+                ratio: 1.0,
+                fault_ns: 0.0
+            })
         );
     }
 

@@ -66,8 +66,9 @@ use std::collections::HashMap;
 /// shrink, [`SPILL_BATCH`] a round.
 pub(super) const SPILL_ROOM: usize = 64;
 pub(super) const SPILL_BATCH: usize = 256;
-/// The most objects one compaction moves: a few milliseconds of the evictor's time at most.
-const COMPACT_BATCH: usize = 4096;
+/// The most objects one compaction moves: about a millisecond of the evictor's time, for which
+/// it holds the order of stores (an mremap of pool pages waits meanwhile).
+const COMPACT_BATCH: usize = 1024;
 
 /// How pages are compressed on their way out of DRAM.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -388,8 +389,7 @@ impl Compressed {
     /// Whether the pool has room for more objects and took some of the last batch that
     /// the file could not.
     pub(super) fn has_room(&self) -> bool {
-        self.pool.pages() + crate::tier::MAX_CHUNK_PAGES as u64 <= self.pool.capacity_pages()
-            && !self.futile.load(Ordering::Relaxed)
+        self.pool.pages() + 4 <= self.pool.capacity_pages() && !self.futile.load(Ordering::Relaxed)
     }
 
     /// Whether the pool sizes itself.
@@ -493,10 +493,14 @@ impl Engine {
             if stored == Stored::Full && !spilled {
                 spilled = true;
                 // Room from the pool's holes first: moving objects writes nothing to the file.
-                if self.compact_pool() == 0 {
-                    self.spill(SPILL_ROOM);
+                if self.compact_pool() > 0 {
+                    stored = c.pool.store(page);
                 }
-                stored = c.pool.store(page);
+                if stored == Stored::Full {
+                    // Not enough for this page's class: the oldest go to the file.
+                    self.spill(SPILL_ROOM);
+                    stored = c.pool.store(page);
+                }
             }
             match stored {
                 Stored::Same(word) => {

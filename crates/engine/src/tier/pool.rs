@@ -57,8 +57,8 @@ const CLASSES: usize = MAX_OBJECT / ALIGN;
 /// Room for LZ4's output of a page, however incompressible.
 const COMPRESSED_MAX: usize = lz4_flex::block::get_maximum_output_size(PAGE);
 /// The most pages a chunk spans: the size of a chunk slot. Eight (as zsmalloc's default chain
-/// of eight pages) packs objects of 2 KiB, a page that compresses 2:1, with 3% of the chunk
-/// left over at its end, where four left 8%.
+/// of eight pages) packs objects of 2,112 bytes (a page that compresses 2:1, with its length)
+/// with 3.3% of the chunk left over at its end, where four left 9.8%.
 pub const MAX_CHUNK_PAGES: usize = 8;
 const SLOT: usize = MAX_CHUNK_PAGES * PAGE;
 /// A chunk slot's class while no chunk is in it.
@@ -243,10 +243,12 @@ struct Class {
     partial: Vec<usize>,
 }
 
-/// A chunk in use: which objects are taken (at most 256).
+/// A chunk in use: which objects are taken (at most 256), and whether it is set apart for
+/// compaction.
 #[derive(Clone, Copy, Default)]
 struct Chunk {
     used: u16,
+    draining: bool,
     taken: [u64; 4],
 }
 
@@ -255,8 +257,9 @@ struct Inner {
     chunks: Vec<Chunk>,
     /// Chunk slots free for reuse.
     free_chunks: Vec<usize>,
-    /// Chunks set apart for compaction: in no class's partial list, so nothing is stored in
-    /// them; their objects move out ([`Pool::relocate`]).
+    /// Chunks set apart for compaction (each marked `Chunk::draining`): in no class's partial
+    /// list, so nothing is stored in them; their objects move out ([`Pool::relocate`]). A
+    /// chunk emptied meanwhile loses its mark and stays listed until the compaction ends.
     draining: Vec<usize>,
     /// Compressed bytes of the objects stored, and how many there are.
     compressed: u64,
@@ -327,7 +330,7 @@ impl Pool {
     /// at once without waiting (see [`Zstd::decompress`]).
     pub fn new(capacity: usize, max: usize, codec: Codec, readers: usize) -> io::Result<Pool> {
         // A chunk slot per page of the largest capacity: chunks of one page take a slot of
-        // four, the rest of which stays address space.
+        // eight, the rest of which stays address space.
         let capacity_pages = (capacity / PAGE).max(1);
         let slots = (max / PAGE).max(capacity_pages).min(MAX_CHUNKS);
         let classes = (0..CLASSES)
@@ -524,11 +527,11 @@ impl Pool {
         inner.compressed = inner.compressed.saturating_sub(n + 2);
         inner.objects -= 1;
         inner.holes += class_size(class) as u64;
-        let draining = inner.draining.contains(&h.chunk());
+        let draining = ch.draining;
         if empty {
-            inner.classes[class].partial.retain(|&c| c != h.chunk());
-            if draining {
-                inner.draining.retain(|&c| c != h.chunk());
+            ch.draining = false;
+            if !draining {
+                inner.classes[class].partial.retain(|&c| c != h.chunk());
             }
             inner.holes -= (inner.classes[class].per_chunk * class_size(class)) as u64;
             let pages = inner.classes[class].chunk_pages;
@@ -576,7 +579,13 @@ impl Pool {
                 d.objects += u;
                 taken.push(c);
             }
-            inner.classes[class].partial.retain(|c| !taken.contains(c));
+            for &c in &taken {
+                inner.chunks[c].draining = true;
+            }
+            let chunks = &inner.chunks;
+            inner.classes[class]
+                .partial
+                .retain(|&c| !chunks[c].draining);
             d.chunks.extend_from_slice(&taken);
         }
         inner.draining.extend_from_slice(&d.chunks);
@@ -592,12 +601,10 @@ impl Pool {
     pub fn relocate(&self, h: Handle) -> Option<Handle> {
         let mut g = self.lock();
         let inner = &mut *g;
-        if !inner.draining.contains(&h.chunk()) {
-            return None;
-        }
         let class = self.class_of[h.chunk()].load(Ordering::Relaxed) as usize;
         let o = h.object();
-        if class >= CLASSES || inner.chunks[h.chunk()].taken[o / 64] & (1 << (o % 64)) == 0 {
+        let ch = inner.chunks.get(h.chunk())?;
+        if !ch.draining || class >= CLASSES || ch.taken[o / 64] & (1 << (o % 64)) == 0 {
             return None;
         }
         let (chunk, object) = self.take_object(inner, class, false)?;
@@ -630,10 +637,14 @@ impl Pool {
         let mut g = self.lock();
         let inner = &mut *g;
         for c in std::mem::take(&mut inner.draining) {
-            let class = self.class_of[c].load(Ordering::Relaxed) as usize;
-            if class < CLASSES && inner.chunks[c].used > 0 {
-                inner.classes[class].partial.push(c);
+            // A chunk emptied during the compaction lost its mark (its slot may be in use
+            // again, as another chunk).
+            if !inner.chunks[c].draining {
+                continue;
             }
+            inner.chunks[c].draining = false;
+            let class = self.class_of[c].load(Ordering::Relaxed) as usize;
+            inner.classes[class].partial.push(c);
         }
     }
 
@@ -804,7 +815,7 @@ mod tests {
             }
             assert!(
                 held.len() < 64,
-                "a 16 KiB pool cannot hold {} half pages",
+                "a 32 KiB pool cannot hold {} half pages",
                 held.len()
             );
         }
@@ -933,6 +944,90 @@ mod tests {
         }
         // New stores fill the chunks again once the compaction is over.
         assert!(matches!(pool.store(&page(9999, 180)), Stored::Object(_)));
+    }
+
+    #[test]
+    fn frees_and_stores_during_a_compaction_keep_every_page_and_the_books() {
+        for seed in 0..20u64 {
+            let pool = Pool::new(8 << 20, 8 << 20, Codec::Lz4, 1).unwrap();
+            let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+            let mut rnd = |n: u64| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x % n
+            };
+            let mut held: Vec<(Handle, u64, usize)> = Vec::new();
+            for s in 0..600u64 {
+                let random = [40, 120, 250][rnd(3) as usize];
+                if let Stored::Object(h) = pool.store(&page(s, random)) {
+                    held.push((h, s, random));
+                }
+            }
+            // Three in five freed, anywhere: holes in most chunks.
+            held.retain(|&(h, _, _)| {
+                let keep = rnd(5) < 2;
+                if !keep {
+                    pool.free(h);
+                }
+                keep
+            });
+            let d = pool.begin_compaction(usize::MAX);
+            let mut next = 10_000;
+            let mut k = 0;
+            while k < held.len() {
+                match rnd(4) {
+                    // The holder frees its page meanwhile (the chunk may empty and be reused).
+                    0 => {
+                        pool.free(held.swap_remove(k).0);
+                        continue;
+                    }
+                    // A store meanwhile never lands in a chunk set apart (one emptied by
+                    // frees may be in use again as a new chunk).
+                    1 => {
+                        let random = [40, 120, 250][rnd(3) as usize];
+                        if let Stored::Object(h) = pool.store(&page(next, random)) {
+                            assert!(
+                                !pool.lock().chunks[h.chunk()].draining,
+                                "seed {seed}: stored into a chunk set apart"
+                            );
+                            held.push((h, next, random));
+                        }
+                        next += 1;
+                    }
+                    _ => {}
+                }
+                let h = held[k].0;
+                if d.holds(h) {
+                    if let Some(n) = pool.relocate(h) {
+                        held[k].0 = n;
+                    }
+                }
+                k += 1;
+            }
+            pool.end_compaction();
+            let mut out = [0u8; PAGE];
+            for &(h, s, random) in &held {
+                pool.load(h, &mut out).unwrap();
+                assert!(
+                    out == *page(s, random),
+                    "seed {seed}: page {s} came back different"
+                );
+            }
+            let st = pool.stats();
+            assert_eq!(st.objects, held.len() as u64, "seed {seed}");
+            assert!(st.hole_bytes < st.pool_bytes, "seed {seed}: {st:?}");
+            // Every chunk is in use again: stores fill the holes before new chunks are made.
+            let before = st.pool_bytes;
+            if let Stored::Object(h) = pool.store(&page(99_999, 40)) {
+                held.push((h, 99_999, 40));
+            }
+            assert!(pool.stats().pool_bytes <= before + (MAX_CHUNK_PAGES * PAGE) as u64);
+            for (h, _, _) in held {
+                pool.free(h);
+            }
+            assert_eq!(pool.stats(), PoolStats::default(), "seed {seed}");
+        }
     }
 
     #[test]
