@@ -145,21 +145,27 @@ fn a_recorded_run_says_which_level_served_each_fault() {
     assert!(figures.ratio > 1.3, "2:1 pages, held at {}", figures.ratio);
     let p50_ns = st["fault_compressed_latency_p50_us"].as_f64().unwrap() * 1e3;
     assert!((figures.fault_ns - p50_ns).abs() < 1e-6, "{figures:?}");
-    let o = memtide()
-        .args(["sim", "--trace"])
-        .arg(&trace)
-        .args([
-            "--dram",
-            "64MiB",
-            "--policy",
-            "sweep",
-            "--compressed",
-            "25%",
-        ])
-        .output()
-        .unwrap();
-    let err = common::stderr(&o);
-    assert!(o.status.success(), "{err}");
+    // `memtide sim` of the trace with a pool of a quarter (and `extra`): what it says.
+    let sim_with_pool = |extra: &[&str]| {
+        let o = memtide()
+            .args(["sim", "--trace"])
+            .arg(&trace)
+            .args([
+                "--dram",
+                "64MiB",
+                "--policy",
+                "sweep",
+                "--compressed",
+                "25%",
+            ])
+            .args(extra)
+            .output()
+            .unwrap();
+        let err = common::stderr(&o);
+        assert!(o.status.success(), "{err}");
+        err
+    };
+    let err = sim_with_pool(&[]);
     assert!(
         err.contains(&format!(
             "as the recording measured, the pool holds {:.2} pages per page of DRAM (--ratio sets another); a pool miss costs {:.1} µs",
@@ -169,22 +175,7 @@ fn a_recorded_run_says_which_level_served_each_fault() {
         "{err}"
     );
     // A figure given on the command line is used instead, and not said to be the recording's.
-    let o = memtide()
-        .args(["sim", "--trace"])
-        .arg(&trace)
-        .args([
-            "--dram",
-            "64MiB",
-            "--policy",
-            "sweep",
-            "--compressed",
-            "25%",
-        ])
-        .args(["--ratio", "1.5"])
-        .output()
-        .unwrap();
-    let err = common::stderr(&o);
-    assert!(o.status.success(), "{err}");
+    let err = sim_with_pool(&["--ratio", "1.5"]);
     assert!(
         err.contains("as the recording measured, a pool miss costs")
             && !err.contains("pages per page of DRAM (--ratio"),

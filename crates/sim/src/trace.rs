@@ -561,21 +561,23 @@ mod tests {
             .finish()
             .unwrap();
         assert_eq!(Trace::parse(none).unwrap().pool, None);
+        // What a recording's figures read back as.
+        let written = |f: PoolFigures| {
+            let t = Writer::recording(Vec::new(), 4096, Some(f))
+                .unwrap()
+                .finish()
+                .unwrap();
+            Trace::parse(t).unwrap().pool
+        };
+        let floor = Some(PoolFigures {
+            ratio: 1.0,
+            fault_ns: 0.0,
+        });
         let holed = PoolFigures {
             ratio: 0.8,
             fault_ns: f64::NAN,
         };
-        let low = Writer::recording(Vec::new(), 4096, Some(holed))
-            .unwrap()
-            .finish()
-            .unwrap();
-        assert_eq!(
-            Trace::parse(low).unwrap().pool,
-            Some(PoolFigures {
-                ratio: 1.0,
-                fault_ns: 0.0
-            })
-        );
+        assert_eq!(written(holed), floor);
         // Figures out of range are corruption; so is a changed figure (the checksum covers
         // them).
         let mut bad = bytes.clone();
@@ -595,17 +597,7 @@ mod tests {
             ratio: f64::NAN,
             fault_ns: f64::INFINITY,
         };
-        let odd = Writer::recording(Vec::new(), 4096, Some(nan))
-            .unwrap()
-            .finish()
-            .unwrap();
-        assert_eq!(
-            Trace::parse(odd).unwrap().pool,
-            Some(PoolFigures {
-                ratio: 1.0,
-                fault_ns: 0.0
-            })
-        );
+        assert_eq!(written(nan), floor);
     }
 
     #[test]

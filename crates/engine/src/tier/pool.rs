@@ -880,6 +880,18 @@ mod tests {
         assert_eq!(pool.stats(), PoolStats::default());
     }
 
+    /// Checks that every object of `held` loads the page it was stored from.
+    fn every_page_loads(pool: &Pool, held: &[(Handle, u64, usize)], when: &str) {
+        let mut out = [0u8; PAGE];
+        for &(h, seed, random) in held {
+            pool.load(h, &mut out).unwrap();
+            assert!(
+                out == *page(seed, random),
+                "{when}: page {seed} came back different"
+            );
+        }
+    }
+
     /// Moves every object of the chunks set apart that `held` names (as a holder would),
     /// skipping those `skip` picks; returns how many moved.
     fn compact(
@@ -934,14 +946,7 @@ mod tests {
             "a third of the objects left: {before:?} -> {after:?}"
         );
         assert!(!after.fragmented(), "{after:?}");
-        let mut out = [0u8; PAGE];
-        for &(h, seed, random) in &held {
-            pool.load(h, &mut out).unwrap();
-            assert!(
-                out == *page(seed, random),
-                "page {seed} came back different"
-            );
-        }
+        every_page_loads(&pool, &held, "after the compaction");
         // New stores fill the chunks again once the compaction is over.
         assert!(matches!(pool.store(&page(9999, 180)), Stored::Object(_)));
     }
@@ -1006,14 +1011,7 @@ mod tests {
                 k += 1;
             }
             pool.end_compaction();
-            let mut out = [0u8; PAGE];
-            for &(h, s, random) in &held {
-                pool.load(h, &mut out).unwrap();
-                assert!(
-                    out == *page(s, random),
-                    "seed {seed}: page {s} came back different"
-                );
-            }
+            every_page_loads(&pool, &held, &format!("seed {seed}"));
             let st = pool.stats();
             assert_eq!(st.objects, held.len() as u64, "seed {seed}");
             assert!(st.hole_bytes < st.pool_bytes, "seed {seed}: {st:?}");
