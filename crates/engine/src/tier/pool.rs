@@ -12,8 +12,8 @@
 //! One anonymous mapping, reserved whole at the start (address space only), cut into chunk
 //! slots of [`MAX_CHUNK_PAGES`] pages. A size class holds objects of up to `size` bytes (a
 //! multiple of 64, the first two bytes of each object its compressed length); its chunks use
-//! the first 1–8 pages of their slot, whichever wastes least (the rest of the slot is address space only), and
-//! objects may straddle the pages of a chunk. A chunk whose last object is freed gives its
+//! the first 1–8 pages of their slot, whichever wastes least (the rest of the slot is address
+//! space only), and objects may straddle the pages of a chunk. A chunk whose last object is freed gives its
 //! DRAM back at once and its slot goes to the free list.
 //!
 //! # Compaction
@@ -59,7 +59,7 @@ const COMPRESSED_MAX: usize = lz4_flex::block::get_maximum_output_size(PAGE);
 /// The most pages a chunk spans: the size of a chunk slot. Eight (as zsmalloc's default chain
 /// of eight pages) packs objects of 2,112 bytes (a page that compresses 2:1, with its length)
 /// with 3.3% of the chunk left over at its end, where four left 9.8%.
-pub const MAX_CHUNK_PAGES: usize = 8;
+const MAX_CHUNK_PAGES: usize = 8;
 const SLOT: usize = MAX_CHUNK_PAGES * PAGE;
 /// A chunk slot's class while no chunk is in it.
 const NO_CLASS: u16 = u16::MAX;
@@ -308,8 +308,6 @@ impl PoolStats {
 pub struct Draining {
     /// Sorted chunk numbers.
     chunks: Vec<usize>,
-    /// Objects in them when they were set apart.
-    pub objects: usize,
 }
 
 impl Draining {
@@ -497,14 +495,15 @@ impl Pool {
         self.free_locked(&mut g, h);
     }
 
-    fn free_locked(&self, inner: &mut Inner, h: Handle) {
+    /// Frees object `h` under the lock: its compressed length (0 if `h` was not held).
+    fn free_locked(&self, inner: &mut Inner, h: Handle) -> u64 {
         let Some(ch) = inner.chunks.get_mut(h.chunk()) else {
-            return;
+            return 0;
         };
         let o = h.object();
         let class = self.class_of[h.chunk()].load(Ordering::Relaxed) as usize;
         if class >= CLASSES || ch.taken[o / 64] & (1 << (o % 64)) == 0 {
-            return;
+            return 0;
         }
         let at = h.chunk() * SLOT + o * class_size(class);
         let mut len = [0u8; 2];
@@ -546,6 +545,7 @@ impl Pool {
         } else if was_full && !draining {
             inner.classes[class].partial.push(h.chunk());
         }
+        n
     }
 
     /// Sets apart, in each class, its sparsest partly used chunks whose objects (at most
@@ -557,6 +557,7 @@ impl Pool {
         let mut g = self.lock();
         let inner = &mut *g;
         let mut d = Draining::default();
+        let mut objects = 0;
         for class in 0..CLASSES {
             let per = inner.classes[class].per_chunk;
             let mut partial = inner.classes[class].partial.clone();
@@ -571,12 +572,12 @@ impl Pool {
             let mut taken = Vec::new();
             for &c in &partial {
                 let (u, f) = (used(c), per - used(c));
-                if d.objects + u > max_objects || moving + u > room - f {
+                if objects + u > max_objects || moving + u > room - f {
                     break;
                 }
                 moving += u;
                 room -= f;
-                d.objects += u;
+                objects += u;
                 taken.push(c);
             }
             for &c in &taken {
@@ -620,13 +621,8 @@ impl Pool {
                 size,
             );
         }
-        // The object is counted once: `free_locked` takes back what `store` added.
-        let n = {
-            let at = self.memory.addr() + h.chunk() * SLOT + o * size;
-            // SAFETY: the start of object `h`, read above.
-            u16::from_le_bytes(unsafe { *(at as *const [u8; 2]) }) as u64
-        };
-        self.free_locked(inner, h);
+        // The object stays counted: `free_locked` takes back what `store` added.
+        let n = self.free_locked(inner, h);
         inner.compressed += n + 2;
         inner.objects += 1;
         Some(Handle::new(chunk, object))
