@@ -93,6 +93,14 @@ pub struct SimArgs {
     /// costs --compressed-latency instead of --tier-latency. (opt and memory-mode keep no pool.)
     #[arg(long, value_delimiter = ',', value_parser = share)]
     pub compressed: Vec<f64>,
+    /// How the modelled pool is sized, as `memtide run --compressed-sizing`: `fixed` (each
+    /// --compressed share, all along) or `adaptive` (from a sixteenth of --dram, a step of a
+    /// thirty-second up or down once per 2 s of the replay's estimated time, by the engine's
+    /// own rule, up to the --compressed share, default half: the table's pool column shows
+    /// where it ended). Adaptive replays the engine's policies only: placement,
+    /// placement-exact, sweep.
+    #[arg(long, value_parser = opts::pool_sizing, default_value = "fixed", value_name = "HOW")]
+    pub compressed_sizing: opts::PoolSizing,
     /// With --compressed: pages the pool holds per page of its DRAM (the engine's `--stats`
     /// show it as compressed_pages over compressed_pool_bytes; about 1.8 for pages that lz4
     /// halves, 1 for incompressible ones).
@@ -338,11 +346,30 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
             );
         }
     }
-    let shares: Vec<f64> = if a.compressed.is_empty() {
-        vec![0.0]
-    } else {
-        a.compressed.clone()
+    let adaptive = a.compressed_sizing == opts::PoolSizing::Adaptive;
+    let shares: Vec<f64> = match (a.compressed.is_empty(), adaptive) {
+        (true, false) => vec![0.0],
+        // A pool that sizes itself grows to half of --dram unless told otherwise.
+        (true, true) => vec![0.5],
+        (false, _) => a.compressed.clone(),
     };
+    if adaptive {
+        if shares.contains(&0.0) {
+            bail!("--compressed-sizing adaptive sizes a pool: give --compressed shares above 0 (the most it may take)");
+        }
+        let others: Vec<&str> = policies
+            .iter()
+            .map(String::as_str)
+            .filter(|p| !memtide_sim::SIZABLE_POLICIES.contains(p))
+            .collect();
+        if !others.is_empty() {
+            bail!(
+                "--compressed-sizing adaptive replays the engine's policies only: give --policy {} (not {})",
+                memtide_sim::SIZABLE_POLICIES.join(","),
+                others.join(", ")
+            );
+        }
+    }
     let leveled = shares.iter().any(|&s| s > 0.0);
     if !leveled && (a.ratio.is_some() || a.compressed_latency.is_some()) {
         bail!("--ratio and --compressed-latency describe the pool of --compressed");
@@ -386,6 +413,7 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
                         pool_pages: (d.min(pages) as f64 * s) as u64,
                         pool_share: s,
                         ratio,
+                        adaptive,
                         ..Job::new(p.clone(), d)
                     })
                 })
@@ -495,6 +523,16 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
                 bandwidth(o.file_misses(), o),
                 bandwidth(o.writebacks, o)
             );
+            if adaptive && o.pool_share > 0.0 {
+                println!(
+                    "{:<10} {:<pw$}   pool sized itself: {} steps up, {} down, at most {:.1}% of DRAM",
+                    "",
+                    "",
+                    o.pool_grows,
+                    o.pool_shrinks,
+                    o.pool_share * 100.0
+                );
+            }
             if o.tenant_accesses.len() > 1 {
                 let per: Vec<String> = (0..o.tenant_accesses.len())
                     .map(|t| format!("t{t} {:.2}x", o.tenant_slowdown(t, &lat)))

@@ -376,6 +376,87 @@ fn a_compressed_pool_serves_misses_of_pages_that_left_last() {
     }
 }
 
+/// `--compressed-sizing adaptive`: the pool moves by the engine's rule over the replay's
+/// estimated time. Where pool hits are cheap and pages compress 3:1, it grows from its
+/// sixteenth and the replay runs faster than with the sixteenth fixed; where a pool hit costs
+/// nearly a file miss and pages hardly compress, it shrinks to its least, a thirty-second.
+#[test]
+fn a_pool_that_sizes_itself_grows_where_it_saves_and_shrinks_where_it_does_not() {
+    let s = Scratch::new("simpool-adaptive");
+    let run = |name: &str, extra: &[&str]| -> serde_json::Value {
+        let args = [
+            &[
+                "--workload",
+                "hotcold:footprint=64MiB,hot=20%,share=90%,accesses=4M,warmup=2M",
+                "--dram",
+                "50%",
+                "--policy",
+                "sweep",
+            ][..],
+            extra,
+        ]
+        .concat();
+        sim_json(&s, name, &args).1["results"][0].clone()
+    };
+    let cheap = ["--ratio", "3", "--compressed-latency", "10us"];
+    let fixed = run("fixed", &[&["--compressed", "6.25%"][..], &cheap].concat());
+    let grown = run(
+        "grown",
+        &[&["--compressed-sizing", "adaptive"][..], &cheap].concat(),
+    );
+    // 8192 pages of DRAM: the pool starts at 512 and moves by 256.
+    assert_eq!(fixed["outcome"]["pool_pages"], 512);
+    let pool = grown["outcome"]["pool_pages"].as_u64().unwrap();
+    assert!(
+        pool > 512 && pool <= 4096 && grown["outcome"]["pool_grows"].as_u64().unwrap() > 0,
+        "{grown}"
+    );
+    assert_eq!(grown["outcome"]["pool_share"], 0.5, "{grown}");
+    let slow = |r: &serde_json::Value| r["slowdown"].as_f64().unwrap();
+    assert!(slow(&grown) < slow(&fixed), "{grown} against {fixed}");
+
+    let dear = run(
+        "shrunk",
+        &[
+            "--compressed-sizing",
+            "adaptive",
+            "--ratio",
+            "1.05",
+            "--compressed-latency",
+            "75us",
+        ],
+    );
+    assert_eq!(dear["outcome"]["pool_pages"], 256, "{dear}");
+    assert!(
+        dear["outcome"]["pool_shrinks"].as_u64().unwrap() > 0,
+        "{dear}"
+    );
+
+    // Only the engine's policies can give DRAM to a pool and take it back.
+    fails_with(
+        &[
+            "sim",
+            "--workload",
+            "zipf:footprint=8MiB,accesses=10K",
+            "--policy",
+            "lru",
+            "--compressed-sizing",
+            "adaptive",
+        ],
+        "replays the engine's policies only",
+    );
+    fails_with(
+        &[
+            "sim",
+            "--workload",
+            "zipf:footprint=8MiB,accesses=10K",
+            "--compressed-sizing",
+            "often",
+        ],
+        "write fixed or adaptive",
+    );
+}
+
 #[test]
 fn saved_trace_replays_the_same_and_damage_is_reported() {
     let s = Scratch::new("simtrace");

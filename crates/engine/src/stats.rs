@@ -134,6 +134,9 @@ pub struct Counters {
     pub compressed_stores: AtomicU64,
     pub compressed_same: AtomicU64,
     pub compressed_rejected: AtomicU64,
+    /// Pages sent to the file without a try, while the pool kept refusing the pages it tried
+    /// (it then tries one in sixteen).
+    pub compressed_skipped: AtomicU64,
     /// Pool objects written back to the file (decompressed) to make room in the pool.
     pub compressed_spills: AtomicU64,
     /// Pool copies of pages that are in DRAM again, dropped to give the pool's DRAM back.
@@ -229,6 +232,7 @@ impl Counters {
             &self.compressed_stores,
             &self.compressed_same,
             &self.compressed_rejected,
+            &self.compressed_skipped,
             &self.compressed_spills,
             &self.compressed_drops,
             &self.compressed_compactions,
@@ -413,6 +417,9 @@ pub struct Snapshot {
     pub compressed_same: u64,
     #[serde(default)]
     pub compressed_rejected: u64,
+    /// Pages sent to the file untried while the pages tried kept being refused.
+    #[serde(default)]
+    pub compressed_skipped: u64,
     #[serde(default)]
     pub compressed_spills: u64,
     #[serde(default)]

@@ -147,7 +147,7 @@ pub fn print(program: &str, status: &str, c: &Collected) {
         eprintln!("  pool     off (--compress off): pages leave DRAM for tier 1 only");
     } else {
         eprintln!(
-            "  pool     {}: {} of pages in {} of DRAM ({}), up to {}{}; {} pages stored, {} same-filled (one word each), {} compressed too little (to tier 1); {} written back to tier 1, {} copies dropped; {} in holes, {} objects moved by {} compactions",
+            "  pool     {}: {} of pages in {} of DRAM ({}), up to {}{}; {} pages stored, {} same-filled (one word each), {} compressed too little (to tier 1){}; {} written back to tier 1, {} copies dropped; {} in holes, {} objects moved by {} compactions",
             s.compress,
             bytes(s.compressed_pages * 4096),
             bytes(s.compressed_pool_bytes),
@@ -168,6 +168,14 @@ pub fn print(program: &str, status: &str, c: &Collected) {
             s.compressed_stores,
             s.compressed_same,
             s.compressed_rejected,
+            if s.compressed_skipped > 0 {
+                format!(
+                    ", {} sent there untried (the pool had refused a run of the pages it tried)",
+                    s.compressed_skipped
+                )
+            } else {
+                String::new()
+            },
             s.compressed_spills,
             s.compressed_drops,
             bytes(s.compressed_hole_bytes),

@@ -24,6 +24,7 @@
 pub mod ahead;
 pub mod health;
 pub mod placement;
+pub mod pool;
 pub mod share;
 pub mod sweep;
 

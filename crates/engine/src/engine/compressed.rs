@@ -24,7 +24,7 @@
 //! a change writes its oldest back. With `--compressed-sizing adaptive` it sizes itself
 //! ([`Engine::size_pool`]): every 2 s it weighs the file faults on pages written back within
 //! the last step of pool against the pool faults on pages stored within the last step and the
-//! hint faults a smaller active list adds, each at its measured price ([`Judgement`]), and
+//! hint faults a smaller active list adds, each at its measured price ([`memtide_policy::pool::Judgement`]), and
 //! undoes a step after which more of the deactivated pages come back (the hot set was
 //! squeezed). Measured, it does not beat the fixed sixteenth yet (notebook, run 24), so it is
 //! not the default; two earlier ways were dropped (run 19).
@@ -58,7 +58,8 @@ use super::{Engine, Event};
 use crate::pages::{State, TierCopy, Word};
 use crate::stats::Counters;
 use crate::sys::{self, Mapping};
-use crate::tier::{Codec, Handle, Pool, Stored};
+use crate::tier::{same_word, Codec, Handle, Pool, Stored};
+use memtide_policy::pool::{adaptive_most_pages, step_pages, Prices, Sample, Sizer, HINT_NS};
 use std::collections::HashMap;
 
 /// Pages written back from the pool to the file in one batch: when the pool is full, a batch
@@ -115,44 +116,25 @@ impl Compress {
 }
 
 /// The pool's share of the quota at the start: a sixteenth (or `--compressed-max`, if less).
-pub(super) fn default_capacity(quota_pages: u64) -> u64 {
-    quota_pages / 16
-}
+pub(super) use memtide_policy::pool::default_pages as default_capacity;
+/// The most of the quota the pool may take even when asked for more.
+pub(super) use memtide_policy::pool::most_pages as capacity_cap;
 
-/// The most of the quota the pool may take even when asked for more (the rest holds the
-/// pages in use).
-pub(super) fn capacity_cap(quota_pages: u64) -> u64 {
-    quota_pages * 3 / 4
-}
-
-/// The most of the quota a pool that sizes itself grows to unless `--compressed-max` says
-/// otherwise: half, as zram and zswap are commonly given.
-fn adaptive_cap(quota_pages: u64) -> u64 {
-    quota_pages / 2
-}
-
-/// The step a pool that sizes itself moves by, and its smallest size: a thirty-second of the
-/// quota.
-fn sizing_step(quota_pages: u64) -> u64 {
-    (quota_pages / 32).max(1)
-}
-
-/// How often the pool's size is judged.
-const SIZING_PERIOD_NS: u64 = 2_000_000_000;
-/// A period with fewer faults from below DRAM than this says too little to move on.
-const SIZING_MIN_FAULTS: u64 = 256;
-/// A step up must be expected to save this many times what it costs (the estimate of its cost
-/// is the lower bound of the two sides: see [`Judgement::more_hints`]); a step down is taken as
-/// soon as the cost outweighs the saving.
-const SIZING_MARGIN: f64 = 2.0;
 /// What a fault costs the program beyond the time the engine measures inside it: the wake-up of
 /// a handler thread and of the faulting thread (`--faults threads`), or the signal's delivery
 /// and return (`--faults signal`). Roughly what these machines show (docs/notebook, runs 16
 /// and 23).
 const WAKE_THREADS_NS: f64 = 10_000.0;
 const WAKE_SIGNAL_NS: f64 = 2_000.0;
-/// A hint fault's own work (a staged page mapped back), as the simulator prices it.
-const HINT_NS: f64 = 5_000.0;
+
+/// Pages the pool refused in a row (each compressed, and found to compress too little) after
+/// which the evictor stops compressing every page: it tries one in [`SAMPLE_EVERY`] and sends
+/// the others straight to the file (still kept as one word when they are one word repeated).
+/// A page the pool takes ends the sampling. Data that does not compress then costs the
+/// evictor a sixteenth of the compressions, the CPU the program's threads and the handler
+/// threads compete for, while data that compresses again is found within a few batches.
+const REFUSED_BEFORE_SAMPLING: u32 = 32;
+const SAMPLE_EVERY: u32 = 16;
 
 /// The compressed level of one engine.
 pub(super) struct Compressed {
@@ -189,92 +171,12 @@ pub(super) struct Compressed {
     pub(super) grows: AtomicU64,
     pub(super) shrinks: AtomicU64,
     sizer: Mutex<Sizer>,
+    /// Pages refused in a row, and the count of pages that sampling decides on (see
+    /// [`REFUSED_BEFORE_SAMPLING`]).
+    refused_run: AtomicU32,
+    sample_tick: AtomicU32,
     /// Held while the capacity is set (by the sizer or a quota change); never on a fault path.
     resize: Mutex<()>,
-}
-
-/// What the sizer saw at its last judgement.
-#[derive(Clone, Copy, Default)]
-struct Sample {
-    at_ns: u64,
-    pool_faults: u64,
-    pool_ns: f64,
-    file_faults: u64,
-    file_ns: f64,
-    young: u64,
-    ghost: u64,
-    inactive_hits: u64,
-    deactivations: u64,
-}
-
-/// The sizer's state between judgements.
-#[derive(Default)]
-struct Sizer {
-    last: Option<Sample>,
-    /// The last move (+1 up, -1 down, 0 none yet) and the share of deactivated pages that
-    /// came back (hint faults over deactivations) in the period before it: after a step up,
-    /// a rise of that share says the step squeezed pages in use.
-    last_move: i32,
-    back_before: f64,
-    /// After a step up cost more than it saved, no step up before this time; the wait doubles
-    /// each time (from [`SIZING_BACKOFF_NS`] to 64 times that) and is reset by a step up that
-    /// paid.
-    hold_until_ns: u64,
-    backoff_ns: u64,
-}
-
-/// The first wait after a step up that did not pay.
-const SIZING_BACKOFF_NS: u64 = 8_000_000_000;
-/// A step up after which the share of deactivated pages that come back rose by more than this
-/// (relative) squeezed the pages in use: it is undone. On the hot/cold workload the share rises
-/// about 5% a step while the pool gains, 12% once it squeezes the hot set, 30% past that.
-const SQUEEZE_RISE: f64 = 0.10;
-
-/// The sizer's reading of one period: what a step more pool would save, and what the step of
-/// DRAM it takes from the pages in use would cost, in nanoseconds of the program's time.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(super) struct Judgement {
-    pub(super) saves_ns: f64,
-    pub(super) costs_ns: f64,
-}
-
-impl Judgement {
-    /// From one period's rates (per second): `ghost` file faults a step more pool would have
-    /// served (each saving a file fault's cost less a pool fault's), against `young` pool
-    /// faults on pages that left DRAM within the last step (a step less DRAM for the pages
-    /// in use turns about as many hits into pool faults, each with its wake-up) and
-    /// `more_hints`, the hint faults a step less of them adds (each a hint fault's work and
-    /// its wake-up).
-    pub(super) fn of(
-        ghost: f64,
-        young: f64,
-        more_hints: f64,
-        pool_ns: f64,
-        file_ns: f64,
-        wake_ns: f64,
-    ) -> Judgement {
-        Judgement {
-            saves_ns: ghost * (file_ns - pool_ns).max(0.0),
-            costs_ns: young * (pool_ns + wake_ns) + more_hints * (HINT_NS + wake_ns),
-        }
-    }
-
-    /// The hint faults a step less of `active_pages` adds, if they rise in proportion: the
-    /// estimate before a step is taken (a step taken measures it instead).
-    pub(super) fn more_hints(hints: f64, step: u64, active_pages: u64) -> f64 {
-        hints * step as f64 / active_pages.max(step) as f64
-    }
-
-    /// +1 grow, -1 shrink, 0 hold.
-    pub(super) fn verdict(&self) -> i32 {
-        if self.saves_ns > SIZING_MARGIN * self.costs_ns {
-            1
-        } else if self.costs_ns > self.saves_ns {
-            -1
-        } else {
-            0
-        }
-    }
 }
 
 impl Compressed {
@@ -320,6 +222,8 @@ impl Compressed {
             grows: AtomicU64::new(0),
             shrinks: AtomicU64::new(0),
             sizer: Mutex::new(Sizer::default()),
+            refused_run: AtomicU32::new(0),
+            sample_tick: AtomicU32::new(0),
             resize: Mutex::new(()),
         };
         let size = match (adaptive, asked_pages) {
@@ -330,6 +234,32 @@ impl Compressed {
         Ok(c)
     }
 
+    /// Whether the evictor should compress the next page leaving DRAM: always, unless the
+    /// pool has refused the last [`REFUSED_BEFORE_SAMPLING`] pages it tried; then one page in
+    /// [`SAMPLE_EVERY`].
+    fn worth_trying(&self) -> bool {
+        self.refused_run.load(Ordering::Relaxed) < REFUSED_BEFORE_SAMPLING
+            || self
+                .sample_tick
+                .fetch_add(1, Ordering::Relaxed)
+                .is_multiple_of(SAMPLE_EVERY)
+    }
+
+    /// Notes what the pool did with a page it was offered: a refusal lengthens the run of
+    /// refusals, a page taken ends it (a same-filled page or a full pool says nothing of how
+    /// the data compresses).
+    fn tried(&self, stored: Stored) {
+        match stored {
+            Stored::TooBig => {
+                let n = self.refused_run.load(Ordering::Relaxed);
+                self.refused_run
+                    .store(n.saturating_add(1), Ordering::Relaxed);
+            }
+            Stored::Object(_) => self.refused_run.store(0, Ordering::Relaxed),
+            Stored::Same(_) | Stored::Full => {}
+        }
+    }
+
     /// The most the pool may take under a quota of `quota_pages`.
     fn max_for(&self, quota_pages: u64) -> u64 {
         Self::bound(self.asked_pages, self.adaptive, quota_pages)
@@ -337,7 +267,7 @@ impl Compressed {
 
     fn bound(asked: Option<u64>, adaptive: bool, quota_pages: u64) -> u64 {
         let default = if adaptive {
-            adaptive_cap(quota_pages)
+            adaptive_most_pages(quota_pages)
         } else {
             u64::MAX
         };
@@ -349,7 +279,7 @@ impl Compressed {
 
     /// The least a pool that sizes itself shrinks to.
     fn min_for(&self, quota_pages: u64) -> u64 {
-        sizing_step(quota_pages).min(self.max_for(quota_pages))
+        step_pages(quota_pages).min(self.max_for(quota_pages))
     }
 
     /// Sets the pool's capacity to `pages` (at most its bound) under a quota of `quota_pages`.
@@ -489,6 +419,23 @@ impl Engine {
         for &(p, s, h) in dirty {
             // SAFETY: the staging page is mapped (Writing is ours) and readable.
             let page = unsafe { &*(self.ring.addr(s) as *const [u8; PAGE_SIZE]) };
+            if !c.worth_trying() {
+                match same_word(page) {
+                    Some(word) => {
+                        self.forget_copy(p);
+                        self.pt.set_hash(p, word);
+                        self.pt.set_copy(p, Some(TierCopy::Same));
+                        Counters::bump(&self.counters.compressed_same);
+                        out.stored += 1;
+                    }
+                    None => {
+                        Counters::bump(&self.counters.compressed_skipped);
+                        c.forget_seq(p);
+                        to_file.push((p, s, h));
+                    }
+                }
+                continue;
+            }
             let mut stored = c.pool.store(page);
             if stored == Stored::Full && !spilled {
                 spilled = true;
@@ -502,6 +449,7 @@ impl Engine {
                     stored = c.pool.store(page);
                 }
             }
+            c.tried(stored);
             match stored {
                 Stored::Same(word) => {
                     self.forget_copy(p);
@@ -770,17 +718,13 @@ impl Engine {
     /// step up when what a step more pool would have saved in the last period outweighs what
     /// the step of DRAM it takes from the pages in use would have cost, a step down when the
     /// cost outweighs the saving. Both sides are read from the engine's own counts and
-    /// latencies: [`Judgement::of`].
+    /// latencies, by the policy crate's [`Sizer`].
     pub(super) fn size_pool(&self, now_ns: u64) {
         let Some(c) = self.compressed.as_ref().filter(|c| c.adaptive) else {
             return;
         };
         let mut sizer = c.sizer.lock().unwrap_or_else(|e| e.into_inner());
-        let sizer = &mut *sizer;
-        if sizer
-            .last
-            .is_some_and(|l| now_ns.saturating_sub(l.at_ns) < SIZING_PERIOD_NS)
-        {
+        if !sizer.due(now_ns) {
             return;
         }
         let k = &self.counters;
@@ -797,7 +741,7 @@ impl Engine {
             deactivations: r(&k.deactivations),
         };
         let quota = self.quota.wm().quota;
-        let step = sizing_step(quota);
+        let step = step_pages(quota);
         // Windows for the next period: a step of DRAM holds `step` pages; a step of pool
         // holds `step` times what a pool page holds now.
         let st = c.pool.stats();
@@ -810,81 +754,39 @@ impl Engine {
         c.young_window.store(window(step as f64), Ordering::Relaxed);
         c.ghost_window
             .store(window(step as f64 * per_page), Ordering::Relaxed);
-        let Some(last) = sizer.last.replace(now) else {
-            return;
+        let prices = Prices {
+            wake_ns: if self.uffd.delivery() == crate::Delivery::Signal {
+                WAKE_SIGNAL_NS
+            } else {
+                WAKE_THREADS_NS
+            },
+            hint_ns: HINT_NS,
         };
-        let d = |a: u64, b: u64| a.saturating_sub(b);
-        let (dp, df) = (
-            d(now.pool_faults, last.pool_faults),
-            d(now.file_faults, last.file_faults),
-        );
-        if dp + df < SIZING_MIN_FAULTS {
-            return;
-        }
-        let secs = (now_ns - last.at_ns) as f64 / 1e9;
-        let rate = |a: u64, b: u64| d(a, b) as f64 / secs;
-        let mean = |ns: f64, n: u64, fallback: f64| if n > 0 { ns / n as f64 } else { fallback };
-        let pool_ns = mean(now.pool_ns - last.pool_ns, dp, 15_000.0);
-        let file_ns = mean(now.file_ns - last.file_ns, df, 80_000.0);
-        let wake_ns = if self.uffd.delivery() == crate::Delivery::Signal {
-            WAKE_SIGNAL_NS
-        } else {
-            WAKE_THREADS_NS
-        };
-        let hints = rate(now.inactive_hits, last.inactive_hits);
         // The pages in use that are not on the inactive list.
         let active = quota
             .saturating_sub(self.ring.staged.load(Ordering::Relaxed))
             .saturating_sub(c.pool.pages());
-        let back = d(now.inactive_hits, last.inactive_hits) as f64
-            / d(now.deactivations, last.deactivations).max(1) as f64;
-        let squeezed = sizer.last_move > 0
-            && sizer.back_before > 0.0
-            && back > sizer.back_before * (1.0 + SQUEEZE_RISE);
-        let j = Judgement::of(
-            rate(now.ghost, last.ghost),
-            rate(now.young, last.young),
-            Judgement::more_hints(hints, step, active),
-            pool_ns,
-            file_ns,
-            wake_ns,
-        );
-        let verdict = if squeezed { -1 } else { j.verdict() };
-        if sizer.last_move > 0 && verdict > 0 {
-            // The last step up paid.
-            sizer.backoff_ns = 0;
-        }
-        if squeezed {
-            // What the last step up cost showed only once taken: wait before the next.
-            sizer.backoff_ns =
-                (sizer.backoff_ns * 2).clamp(SIZING_BACKOFF_NS, 64 * SIZING_BACKOFF_NS);
-            sizer.hold_until_ns = now_ns + sizer.backoff_ns;
-        }
-        // A squeeze and a step that paid are judged in the period right after the step only.
-        sizer.last_move = 0;
-        sizer.back_before = back;
+        let Some(verdict) = sizer.judge(now, step, active, prices) else {
+            return;
+        };
         // Capacity changes are serialised with the quota's (`quota_changed` takes this lock),
         // so that a quota changed since `quota` was read is not overwritten.
         let _serial = c.resize.lock().unwrap_or_else(|e| e.into_inner());
         let quota = self.quota.wm().quota;
         let cap = c.pool.capacity_pages();
-        // Only a pool that uses its room is worth moving: one that does not spills nothing
-        // (no saving to see) and takes no DRAM it does not use.
         let used = c.pool.pages() + step / 2 >= cap;
-        match verdict {
-            1 if used && cap < c.max_for(quota) && now_ns >= sizer.hold_until_ns => {
-                c.set_capacity(cap + step, quota);
-                Counters::bump(&c.grows);
-                sizer.last_move = 1;
-            }
-            -1 if used && cap > c.min_for(quota) => {
-                // Down faster than up: a pool grown through a scan gives the pages in use
-                // back soon once they are used again.
-                c.set_capacity(cap.saturating_sub(2 * step).max(c.min_for(quota)), quota);
-                Counters::bump(&c.shrinks);
-                sizer.last_move = -1;
-            }
-            _ => {}
+        let moved = sizer.apply(
+            verdict,
+            cap,
+            c.min_for(quota),
+            c.max_for(quota),
+            step,
+            used,
+            now_ns,
+        );
+        if let Some(pages) = moved {
+            c.set_capacity(pages, quota);
+            Counters::bump(if pages > cap { &c.grows } else { &c.shrinks });
         }
     }
 
@@ -988,38 +890,5 @@ mod tests {
         assert_eq!(fixed.set_capacity(500, 1024), 100);
         let too_much = Compressed::new(Codec::Lz4, 1024, 1024, 1 << 16, Some(1000), false).unwrap();
         assert_eq!(too_much.pool.capacity_pages(), 768);
-    }
-
-    #[test]
-    fn the_pool_grows_when_its_saving_outweighs_what_it_takes() {
-        // 1000 file faults a second on pages the pool wrote back lately, each 60 µs against
-        // 15 µs from the pool: 45 ms saved. 100 young pool faults (15 + 10 µs each) and 100
-        // more hint faults (5 + 10 µs each): 4 ms.
-        let j = Judgement::of(1000.0, 100.0, 100.0, 15e3, 60e3, 10e3);
-        assert_eq!(j.saves_ns, 45e6);
-        assert_eq!(j.costs_ns, 4e6);
-        assert_eq!(j.verdict(), 1);
-        // Hot pages squeezed out: hint faults and young pool faults swamp the saving.
-        assert_eq!(
-            Judgement::of(1000.0, 1000.0, 3000.0, 15e3, 60e3, 10e3).verdict(),
-            -1
-        );
-        // Close: hold.
-        assert_eq!(
-            Judgement::of(100.0, 150.0, 0.0, 15e3, 45e3, 0.0).verdict(),
-            0
-        );
-        assert_eq!(
-            Judgement::of(100.0, 120.0, 0.0, 15e3, 45e3, 0.0).verdict(),
-            0
-        );
-        // No saving at all (nothing written back is read again): shrink.
-        assert_eq!(
-            Judgement::of(0.0, 10.0, 0.0, 15e3, 60e3, 10e3).verdict(),
-            -1
-        );
-        // Hint faults estimated in proportion to the step.
-        assert_eq!(Judgement::more_hints(1000.0, 1024, 8192), 125.0);
-        assert_eq!(Judgement::more_hints(1000.0, 1024, 0), 1000.0);
     }
 }

@@ -750,6 +750,7 @@ impl Engine {
             compressed_stores: r(&c.compressed_stores),
             compressed_same: r(&c.compressed_same),
             compressed_rejected: r(&c.compressed_rejected),
+            compressed_skipped: r(&c.compressed_skipped),
             compressed_spills: r(&c.compressed_spills),
             compressed_drops: r(&c.compressed_drops),
             compressed_hole_bytes: pool.hole_bytes,

@@ -16,8 +16,8 @@ pub use encrypted::Encrypted;
 pub use faulty::{Faulty, TierFaults};
 pub use file::{FileTier, TierOpenError};
 pub use pool::{
-    Codec, Corrupt, Draining, Handle, Pool, PoolStats, Stored, COMPACT_WASTE, MAX_OBJECT,
-    ZSTD_LEVEL,
+    same_word, Codec, Corrupt, Draining, Handle, Pool, PoolStats, Stored, COMPACT_WASTE,
+    MAX_OBJECT, ZSTD_LEVEL,
 };
 pub use slots::{SlotMap, MEMBERS};
 pub use uring::{best, UringTier};

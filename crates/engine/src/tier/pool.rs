@@ -228,6 +228,15 @@ pub enum Stored {
     Full,
 }
 
+/// The word `page` repeats throughout, if it is one word repeated (a zero page, a page of one
+/// fill value): such a page is kept as that word, no pool space.
+pub fn same_word(page: &[u8; PAGE]) -> Option<u64> {
+    let first = u64::from_ne_bytes(page[..8].try_into().expect("8 bytes"));
+    page.chunks_exact(8)
+        .all(|w| u64::from_ne_bytes(w.try_into().expect("8 bytes")) == first)
+        .then_some(first)
+}
+
 /// Why a load failed: the object does not decompress to a page (the pool's memory was
 /// overwritten, or the handle is not one of the pool's).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -369,12 +378,8 @@ impl Pool {
 
     /// Stores `page` compressed (or as its one word, or not at all): see [`Stored`].
     pub fn store(&self, page: &[u8; PAGE]) -> Stored {
-        let first = u64::from_ne_bytes(page[..8].try_into().expect("8 bytes"));
-        if page
-            .chunks_exact(8)
-            .all(|w| u64::from_ne_bytes(w.try_into().expect("8 bytes")) == first)
-        {
-            return Stored::Same(first);
+        if let Some(word) = same_word(page) {
+            return Stored::Same(word);
         }
         // Compressed before the lock is taken: other stores and frees need not wait for it.
         let mut compressed = [0u8; COMPRESSED_MAX];

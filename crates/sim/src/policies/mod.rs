@@ -48,6 +48,12 @@ pub struct Outcome {
     pub compressed_hits: u64,
     /// Accesses to pages in memtide's inactive list (DRAM, but a fault).
     pub soft_faults: u64,
+    /// Pages memtide's policies moved to the inactive list (unmapped, still in DRAM).
+    pub deactivations: u64,
+    /// A pool that sized itself: its steps up and down over the whole replay (warm-up
+    /// included).
+    pub pool_grows: u64,
+    pub pool_shrinks: u64,
     /// Pages moved out of DRAM.
     pub demotions: u64,
     /// Demotions that had to write (the page was written since it was last in tier 1).
@@ -69,7 +75,10 @@ pub struct Outcome {
 /// The compressed level as the engine keeps it: a page leaving DRAM goes into a pool that
 /// holds `cap` pages (its DRAM times the compression ratio); when the pool is full, the page
 /// that went in longest ago goes on to the file (the engine writes its oldest objects back).
-/// A page brought back into DRAM leaves the pool.
+/// A page brought back into DRAM leaves the pool. A pool that sizes itself
+/// ([`PoolModel::sizing`]) also counts what the engine's sizer reads: young hits (on pages
+/// stored within the last `young_window` stores) and ghost hits (file misses on pages written
+/// back within the last `ghost_window` write-backs).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct PoolModel {
     cap: u64,
@@ -79,6 +88,19 @@ pub struct PoolModel {
     entry: Vec<u64>,
     /// Entries in the order they went in; an entry whose page no longer names it is stale.
     order: std::collections::VecDeque<(u32, u64)>,
+    sizing: Option<Box<Sizing>>,
+}
+
+/// What a pool that sizes itself counts (see [`PoolModel`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+struct Sizing {
+    /// Per page: its number in the order of write-backs, once the pool wrote it to the file.
+    written_back: Vec<u64>,
+    spills: u64,
+    young_window: u64,
+    ghost_window: u64,
+    young: u64,
+    ghost: u64,
 }
 
 impl PoolModel {
@@ -91,6 +113,44 @@ impl PoolModel {
         }
     }
 
+    /// The same pool, counting young and ghost hits for a sizer.
+    pub fn sizing(mut self) -> PoolModel {
+        self.sizing = Some(Box::new(Sizing {
+            written_back: vec![0; self.entry.len()],
+            ..Sizing::default()
+        }));
+        self
+    }
+
+    /// Pages it holds, and at most.
+    pub fn live(&self) -> u64 {
+        self.live
+    }
+
+    pub fn cap(&self) -> u64 {
+        self.cap
+    }
+
+    /// Young and ghost hits so far (0 unless sizing).
+    pub fn young_and_ghost(&self) -> (u64, u64) {
+        self.sizing.as_ref().map_or((0, 0), |z| (z.young, z.ghost))
+    }
+
+    /// The windows of the next period: hits on the last `young` stores are young, file misses
+    /// on the last `ghost` write-backs are ghost hits.
+    pub fn set_windows(&mut self, young: u64, ghost: u64) {
+        if let Some(z) = &mut self.sizing {
+            z.young_window = young;
+            z.ghost_window = ghost;
+        }
+    }
+
+    /// A new capacity: a smaller pool writes its oldest back at once.
+    pub fn set_cap(&mut self, cap: u64) {
+        self.cap = cap;
+        self.spill_over();
+    }
+
     /// Page `p` leaves DRAM: into the pool, which sends its oldest on to the file if full.
     fn leave(&mut self, p: u32) {
         if self.cap == 0 {
@@ -100,6 +160,15 @@ impl PoolModel {
         self.entry[p as usize] = self.seq;
         self.order.push_back((p, self.seq));
         self.live += 1;
+        self.spill_over();
+        if self.order.len() as u64 > 2 * self.live + 4096 {
+            let entry = &self.entry;
+            self.order.retain(|&(q, e)| entry[q as usize] == e);
+        }
+    }
+
+    /// Writes the oldest back while the pool holds more than its capacity.
+    fn spill_over(&mut self) {
         while self.live > self.cap {
             let (q, e) = self
                 .order
@@ -108,21 +177,29 @@ impl PoolModel {
             if self.entry[q as usize] == e {
                 self.entry[q as usize] = 0;
                 self.live -= 1;
+                if let Some(z) = &mut self.sizing {
+                    z.spills += 1;
+                    z.written_back[q as usize] = z.spills;
+                }
             }
-        }
-        if self.order.len() as u64 > 2 * self.live + 4096 {
-            let entry = &self.entry;
-            self.order.retain(|&(q, e)| entry[q as usize] == e);
         }
     }
 
     /// Page `p` comes back into DRAM: whether the pool held it.
     fn arrive(&mut self, p: u32) -> bool {
-        let e = &mut self.entry[p as usize];
-        if *e == 0 {
+        let e = self.entry[p as usize];
+        if let Some(z) = &mut self.sizing {
+            let w = std::mem::take(&mut z.written_back[p as usize]);
+            if e != 0 && self.seq - e < z.young_window {
+                z.young += 1;
+            } else if e == 0 && w != 0 && z.spills - w < z.ghost_window {
+                z.ghost += 1;
+            }
+        }
+        if e == 0 {
             return false;
         }
-        *e = 0;
+        self.entry[p as usize] = 0;
         self.live -= 1;
         true
     }
@@ -140,6 +217,11 @@ pub trait Policy: Send {
     }
     /// Bytes of state this policy keeps (for the bytes-per-page figure).
     fn state_bytes(&self) -> u64;
+    /// Keeps pages in `cap` pages of DRAM from now on (a pool that sizes itself took or gave
+    /// back DRAM); false for a policy that cannot change its size.
+    fn set_capacity(&mut self, _cap: u64) -> bool {
+        false
+    }
 }
 
 /// How far ahead in a batch a replay touches the page-state of an upcoming access, so that
@@ -258,6 +340,9 @@ impl Outcome {
         self.misses += o.misses;
         self.compressed_hits += o.compressed_hits;
         self.soft_faults += o.soft_faults;
+        self.deactivations += o.deactivations;
+        self.pool_grows += o.pool_grows;
+        self.pool_shrinks += o.pool_shrinks;
         self.demotions += o.demotions;
         self.writebacks += o.writebacks;
         self.state_bytes = self.state_bytes.max(o.state_bytes);

@@ -97,6 +97,7 @@ impl Pages for SimPages<'_> {
         let st = &mut self.state[i];
         if *st & WHERE == IN_DRAM {
             *st = (*st & !WHERE) | STAGED;
+            self.o.deactivations += 1;
         }
         true
     }
@@ -128,6 +129,22 @@ impl Policy for Placement {
 
     fn state_bytes(&self) -> u64 {
         self.state.len() as u64 * (1 + policy::Placement::BYTES_PER_PAGE)
+    }
+
+    fn set_capacity(&mut self, cap: u64) -> bool {
+        let cap = cap.max(1);
+        self.wm = if self.name == "placement-exact" {
+            Watermarks {
+                quota: cap,
+                high_headroom: 0,
+                low_headroom: 0,
+                ..Watermarks::for_quota(cap)
+            }
+        } else {
+            Watermarks::for_quota(cap)
+        };
+        self.placement.set_quota(self.wm.quota);
+        true
     }
 
     fn access(&mut self, page: u64, write: bool, o: &mut Outcome) {

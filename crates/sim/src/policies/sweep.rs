@@ -116,7 +116,9 @@ impl Relieve for Pressure<'_> {
             staged: &mut m.staged,
             extent: m.touched_max,
         };
-        m.sweep.deactivate(&mut pages, want as usize) as u64
+        let n = m.sweep.deactivate(&mut pages, want as usize) as u64;
+        self.o.deactivations += n;
+        n
     }
 
     fn write_back(&mut self, batch: u64) -> u64 {
@@ -188,6 +190,12 @@ impl Policy for Sweep {
     }
     fn state_bytes(&self) -> u64 {
         (self.state.len() * 2 + self.aged_at.len() * 4 + self.fifo.capacity() * 4) as u64
+    }
+    fn set_capacity(&mut self, cap: u64) -> bool {
+        // Pages over the new quota leave at the next page brought in, as in the engine's
+        // next relief.
+        self.wm = Watermarks::for_quota(cap.max(16));
+        true
     }
     fn access(&mut self, page: u64, write: bool, o: &mut Outcome) {
         let p = page as usize;
