@@ -94,10 +94,10 @@ pub struct SimArgs {
     #[arg(long, value_delimiter = ',', value_parser = share)]
     pub compressed: Vec<f64>,
     /// How the modelled pool is sized, as `memtide run --compressed-sizing`: `fixed` (each
-    /// --compressed share, all along) or `adaptive` (from a sixteenth of --dram, a step of a
-    /// thirty-second up or down once per 2 s of the replay's estimated time, by the engine's
-    /// own rule, up to the --compressed share, default half: the table's pool column shows
-    /// where it ended). Adaptive replays the engine's policies only: placement,
+    /// --compressed share, all along) or `adaptive` (from a sixteenth of --dram, once per 2 s
+    /// of the replay's estimated time a thirty-second up or two down, by the engine's own
+    /// rule, up to the --compressed share, default half, at most three quarters: the table's
+    /// pool column shows where it ended). Adaptive replays the engine's policies only: placement,
     /// placement-exact, sweep.
     #[arg(long, value_parser = opts::pool_sizing, default_value = "fixed", value_name = "HOW")]
     pub compressed_sizing: opts::PoolSizing,
@@ -530,7 +530,11 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
                     "",
                     o.pool_grows,
                     o.pool_shrinks,
-                    o.pool_share * 100.0
+                    memtide_policy::pool::most_pages(o.dram_pages).min(
+                        (o.dram_pages as f64 * o.pool_share) as u64
+                    ) as f64
+                        * 100.0
+                        / o.dram_pages.max(1) as f64
                 );
             }
             if o.tenant_accesses.len() > 1 {

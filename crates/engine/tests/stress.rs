@@ -57,6 +57,8 @@ fn word(gen: u64, page: usize, version: u32, k: usize) -> u64 {
     // pool), some not at all (straight to the file), some are one word repeated (kept as
     // that word). One block in eight holds none that compress: the pool refuses runs of
     // them, so the evictor samples (tries one page in several) and stops sampling again.
+    // (Each block is written in address order at the start, so the evictor meets such runs
+    // under either policy.)
     if gen % 8 == 5 {
         return mix(k as u64);
     }

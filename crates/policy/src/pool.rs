@@ -2,7 +2,8 @@
 //! adaptive`): its bounds as shares of the DRAM quota, and the judgement made once a period from
 //! what the run showed. The engine feeds [`Sizer`] its own counts and measured latencies; the
 //! simulator feeds it the counts of a replay priced by its latency model, so both move the pool
-//! by the same rules. Entry point: [`Sizer`].
+//! by the same rules (the simulator, which does not keep its policies' inactive lists apart,
+//! passes all of a policy's DRAM as the pages in use). Entry point: [`Sizer`].
 //!
 //! A step more pool takes a step of DRAM from the pages in use. What it would have saved is
 //! read from *ghost* hits (file faults on pages the pool wrote back within the last step's worth
@@ -333,6 +334,44 @@ mod tests {
         let later = after(again, 8, 1000, 1000, 10, 900);
         assert_eq!(s.judge(later, 32, 1000, PRICES), Some(1));
         assert_eq!(s.apply(1, 32, 32, 512, 32, true, later.at_ns), Some(64));
+    }
+
+    #[test]
+    fn the_hold_after_a_squeeze_doubles_up_to_its_cap_and_a_step_that_paid_resets_it() {
+        let mut s = Sizer::default();
+        let mut now = Sample::default();
+        s.judge(now, 32, 1000, PRICES);
+        let mut holds = Vec::new();
+        for _ in 0..9 {
+            // A step up, then a period in which twice the share of deactivated pages came back.
+            now = after(now, 2, 1000, 1000, 10, 900);
+            s.judge(now, 32, 1000, PRICES);
+            s.last_move = 1;
+            now = after(now, 2, 1000, 1000, 10, 900);
+            now.inactive_hits += 100;
+            assert_eq!(s.judge(now, 32, 1000, PRICES), Some(-1));
+            holds.push(s.hold_until_ns - now.at_ns);
+            // Back to the usual share, so that the next squeeze is measured from it.
+            now = after(now, 2, 1000, 1000, 10, 900);
+            s.judge(now, 32, 1000, PRICES);
+        }
+        let first = SIZING_BACKOFF_NS;
+        assert_eq!(
+            holds,
+            [1, 2, 4, 8, 16, 32, 64, 64, 64].map(|k| k * first).to_vec()
+        );
+        // A step up that paid (the next period still saves) resets the wait.
+        s.last_move = 1;
+        now = after(now, 2, 1000, 1000, 10, 900);
+        assert_eq!(s.judge(now, 32, 1000, PRICES), Some(1));
+        assert_eq!(s.backoff_ns, 0);
+        s.last_move = 1;
+        now = after(now, 2, 1000, 1000, 10, 900);
+        now.inactive_hits += 100;
+        assert_eq!(s.judge(now, 32, 1000, PRICES), Some(-1));
+        assert_eq!(s.hold_until_ns - now.at_ns, first);
+        // A sample no later than the last says nothing.
+        assert_eq!(s.judge(now, 32, 1000, PRICES), None);
     }
 
     #[test]

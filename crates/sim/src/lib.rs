@@ -395,6 +395,8 @@ impl PoolSizer {
             wake_ns: 0.0,
             hint_ns: self.lat.soft_ns,
         };
+        // The pages in use: the engine leaves its inactive list out, which the replay does not
+        // count apart, so a step's extra hint faults are priced a little lower here.
         let active = self.dram - self.pool_pages;
         let Some(verdict) = self.sizer.judge(sample, self.step, active, prices) else {
             return;
@@ -418,7 +420,11 @@ impl PoolSizer {
             }
             self.pool_pages = pages;
             pool.set_cap((pages as f64 * self.ratio.max(0.0)) as u64);
-            p.set_capacity(self.dram - pages);
+            let resized = p.set_capacity(self.dram - pages);
+            assert!(
+                resized,
+                "only sizable policies replay a pool that sizes itself"
+            );
         }
     }
 }

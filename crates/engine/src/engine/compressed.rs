@@ -130,11 +130,12 @@ const WAKE_SIGNAL_NS: f64 = 2_000.0;
 /// Pages the pool refused in a row (each compressed, and found to compress too little) after
 /// which the evictor stops compressing every page: it tries one in [`SAMPLE_EVERY`] and sends
 /// the others straight to the file (still kept as one word when they are one word repeated).
-/// A page the pool takes ends the sampling. Data that does not compress then costs the
+/// A page the pool stores compressed ends the sampling. Data that does not compress then costs the
 /// evictor a sixteenth of the compressions, the CPU the program's threads and the handler
 /// threads compete for, while data that compresses again is found within a few batches.
 const REFUSED_BEFORE_SAMPLING: u32 = 32;
 const SAMPLE_EVERY: u32 = 16;
+const _: () = assert!(SAMPLE_EVERY.is_power_of_two() && SAMPLE_EVERY > 1);
 
 /// The compressed level of one engine.
 pub(super) struct Compressed {
@@ -236,13 +237,15 @@ impl Compressed {
 
     /// Whether the evictor should compress the next page leaving DRAM: always, unless the
     /// pool has refused the last [`REFUSED_BEFORE_SAMPLING`] pages it tried; then one page in
-    /// [`SAMPLE_EVERY`].
+    /// [`SAMPLE_EVERY`] on average, chosen by a multiplicative hash of a count rather than
+    /// every sixteenth, so that pages leaving in a pattern with that period are not always
+    /// the ones skipped.
     fn worth_trying(&self) -> bool {
-        self.refused_run.load(Ordering::Relaxed) < REFUSED_BEFORE_SAMPLING
-            || self
-                .sample_tick
-                .fetch_add(1, Ordering::Relaxed)
-                .is_multiple_of(SAMPLE_EVERY)
+        if self.refused_run.load(Ordering::Relaxed) < REFUSED_BEFORE_SAMPLING {
+            return true;
+        }
+        let tick = self.sample_tick.fetch_add(1, Ordering::Relaxed);
+        tick.wrapping_mul(0x9E37_79B9) >> (32 - SAMPLE_EVERY.trailing_zeros()) == 0
     }
 
     /// Notes what the pool did with a page it was offered: a refusal lengthens the run of

@@ -673,6 +673,81 @@ mod tests {
     }
 
     #[test]
+    fn a_sizing_pool_counts_young_and_ghost_hits_and_a_smaller_one_writes_back() {
+        let mut pool = PoolModel::new(16, 4).sizing();
+        pool.set_windows(2, 2);
+        for p in 0..6 {
+            pool.leave(p);
+        }
+        // Holding four, it wrote 0 and 1 back, in that order; 4 and 5 are the last two
+        // stored.
+        assert!(pool.arrive(5), "5 is in the pool");
+        assert!(pool.arrive(2), "2 is in the pool");
+        assert_eq!(pool.young_and_ghost(), (1, 0), "5 young, 2 not");
+        assert!(!pool.arrive(1));
+        assert_eq!(pool.young_and_ghost(), (1, 1), "1 was written back last");
+        assert!(!pool.arrive(1));
+        assert_eq!(pool.young_and_ghost(), (1, 1), "a page counts once");
+        // Shrinking writes the oldest back at once: 3 goes, 4 stays.
+        pool.set_cap(1);
+        assert_eq!((pool.live(), pool.cap()), (1, 1));
+        assert!(!pool.arrive(3));
+        assert_eq!(pool.young_and_ghost(), (1, 2), "3 was written back last");
+        assert!(pool.arrive(4));
+        assert_eq!(
+            pool.young_and_ghost(),
+            (2, 2),
+            "4 was among the last two stored"
+        );
+        // Two write-backs came after 0's: outside the window of two.
+        assert!(!pool.arrive(0));
+        assert_eq!(pool.young_and_ghost(), (2, 2));
+    }
+
+    #[test]
+    fn the_engines_policies_keep_to_a_smaller_capacity_once_given_it() {
+        for name in ["sweep", "placement", "placement-exact"] {
+            let lat = Latency {
+                dram_ns: 100.0,
+                tier_ns: 80_000.0,
+                soft_ns: 6_000.0,
+                compressed_ns: 10_000.0,
+            };
+            let mut p = by_name(name, 4096, 2048, &lat).unwrap();
+            let mut o = Outcome::default();
+            let mut rng = Rng::new(7);
+            let mut touch = |p: &mut Box<dyn Policy>, o: &mut Outcome, n: u64| {
+                for _ in 0..n {
+                    p.access(rng.below(4096), false, o);
+                }
+            };
+            touch(&mut p, &mut o, 20_000);
+            let misses = |o: &Outcome| o.misses + o.first_touches;
+            let before = misses(&o);
+            touch(&mut p, &mut o, 20_000);
+            let at_2048 = misses(&o) - before;
+            assert!(p.set_capacity(1024), "{name}");
+            touch(&mut p, &mut o, 20_000);
+            let before = misses(&o);
+            touch(&mut p, &mut o, 20_000);
+            let at_1024 = misses(&o) - before;
+            // Uniform over 4096 pages: about half the accesses miss with 2048 in DRAM, three
+            // quarters with 1024.
+            assert!(
+                at_1024 as f64 > 1.3 * at_2048 as f64,
+                "{name}: {at_2048} misses at 2048 pages, {at_1024} at 1024"
+            );
+        }
+        let lat = Latency {
+            dram_ns: 1.0,
+            tier_ns: 1.0,
+            soft_ns: 1.0,
+            compressed_ns: 1.0,
+        };
+        assert!(!by_name("lru", 16, 8, &lat).unwrap().set_capacity(4));
+    }
+
+    #[test]
     fn misses_from_the_pool_are_counted_and_priced() {
         // A loop over 12 pages under LRU with 4 pages in use misses on every access, and each
         // miss makes room first: a page comes back 9 departures after its own. A pool holding
