@@ -2,8 +2,8 @@
 //! whole footprint (a backup, a GC, a rehash) must not flush the hot set. 40 MiB in 10 MiB of
 //! DRAM; a worker makes 90% of its accesses to a scattered 20% hot set (2,048 pages, which
 //! fit) and 10% anywhere; another thread reads every page once, in order, while it runs. The
-//! hot set's miss rate after the scan must be within 10% of before it, and 80% of the hot
-//! pages in DRAM before it must still be there after it. (The CLOCK sweep, `--policy sweep`,
+//! hot set must miss fewer than half a flush's misses more after the scan than before it, and
+//! 60% of the hot pages in DRAM before it must still be there after it. (The CLOCK sweep, `--policy sweep`,
 //! does not pass this: it takes pages in address order once every page looks recently used,
 //! and misses the hot set about 6x as often.)
 
@@ -154,13 +154,19 @@ fn a_scan_does_not_flush_the_hot_set() {
         "the workload must exceed DRAM: {snap:?}"
     );
     // A scan that flushed the hot set would have every hot page fault again afterwards: about
-    // 2050 more misses in the 184 K hot accesses of the window after, twice the rate before,
-    // and few hot pages left in DRAM. Runs that do not flush it spread up to 1.37x the rate
-    // before and keep 70-99% of the hot pages (twelve runs, 2026-11-26): within 1.5x (and a
-    // tenth of a point, for rates near zero), keeping 60%.
+    // 2,050 more misses in the 184 K hot accesses of the window after than in the window
+    // before (the windows hold the same number of hot accesses), and few hot pages left in
+    // DRAM. Runs that do not flush it have missed up to 1.86x as often after as before, up to
+    // 790 misses more (32 runs on a noisy boot, 2026-11-28, before and after that day's
+    // changes alike; twelve runs on 2026-11-26 spread to 1.37x): within half a flush, keeping
+    // 60% of the hot pages.
+    let flush = world.hot_pages.len() as u64;
     assert!(
-        after.rate() <= before.rate() * 1.5 + 0.001,
-        "the scan flushed the hot set: misses {:.2}% after vs {:.2}% before",
+        after.hot_misses <= before.hot_misses + flush / 2,
+        "the scan flushed the hot set: {} misses after against {} before ({:.2}% and {:.2}%), \
+         a flush being about {flush} more",
+        after.hot_misses,
+        before.hot_misses,
         100.0 * after.rate(),
         100.0 * before.rate()
     );
