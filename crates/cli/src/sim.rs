@@ -530,7 +530,8 @@ pub fn sim(mut a: SimArgs) -> Result<ExitCode> {
                     "",
                     o.pool_grows,
                     o.pool_shrinks,
-                    memtide_policy::pool::most_pages(o.dram_pages).min(
+                    memtide_sim::adaptive_pool_most(
+                        o.dram_pages,
                         (o.dram_pages as f64 * o.pool_share) as u64
                     ) as f64
                         * 100.0

@@ -175,8 +175,22 @@ impl Job {
 
     /// Pages a pool of `pool_pages` of DRAM holds.
     fn holds(&self, pool_pages: u64) -> u64 {
-        (pool_pages as f64 * self.ratio.max(0.0)) as u64
+        pool_holds(pool_pages, self.ratio)
     }
+}
+
+/// Pages a pool of `pool_pages` of DRAM holds at `ratio` pages per page.
+fn pool_holds(pool_pages: u64, ratio: f64) -> u64 {
+    (pool_pages as f64 * ratio.max(0.0)) as u64
+}
+
+/// The most a pool that sizes itself may take of `dram_pages` when asked for at most
+/// `asked_pages`: at most three quarters (as the engine bounds it), and a page less than all.
+pub fn adaptive_pool_most(dram_pages: u64, asked_pages: u64) -> u64 {
+    asked_pages
+        .min(memtide_policy::pool::most_pages(dram_pages))
+        .max(1)
+        .min(dram_pages.saturating_sub(1))
 }
 
 /// The policies whose DRAM a pool that sizes itself can take and give back: the engine's.
@@ -317,11 +331,7 @@ struct PoolSizer {
 impl PoolSizer {
     fn new(job: &Job, dram: u64, lat: &Latency) -> PoolSizer {
         use memtide_policy::pool;
-        let max = job
-            .pool_pages
-            .min(pool::most_pages(dram))
-            .max(1)
-            .min(dram - 1);
+        let max = adaptive_pool_most(dram, job.pool_pages);
         let step = pool::step_pages(dram);
         PoolSizer {
             sizer: Default::default(),
@@ -401,7 +411,7 @@ impl PoolSizer {
         let Some(verdict) = self.sizer.judge(sample, self.step, active, prices) else {
             return;
         };
-        let step_holds = (self.step as f64 * self.ratio.max(0.0)) as u64;
+        let step_holds = pool_holds(self.step, self.ratio);
         let used = pool.live() + step_holds / 2 >= pool.cap();
         let moved = self.sizer.apply(
             verdict,
@@ -419,7 +429,7 @@ impl PoolSizer {
                 o.pool_shrinks += 1;
             }
             self.pool_pages = pages;
-            pool.set_cap((pages as f64 * self.ratio.max(0.0)) as u64);
+            pool.set_cap(pool_holds(pages, self.ratio));
             let resized = p.set_capacity(self.dram - pages);
             assert!(
                 resized,

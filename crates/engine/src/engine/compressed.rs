@@ -422,46 +422,36 @@ impl Engine {
         for &(p, s, h) in dirty {
             // SAFETY: the staging page is mapped (Writing is ours) and readable.
             let page = unsafe { &*(self.ring.addr(s) as *const [u8; PAGE_SIZE]) };
-            if !c.worth_trying() {
-                match same_word(page) {
-                    Some(word) => {
-                        self.forget_copy(p);
-                        self.pt.set_hash(p, word);
-                        self.pt.set_copy(p, Some(TierCopy::Same));
-                        Counters::bump(&self.counters.compressed_same);
-                        out.stored += 1;
+            // None: sent to the file untried (the pool keeps refusing what it tries).
+            let stored = if c.worth_trying() {
+                let mut stored = c.pool.store(page);
+                if stored == Stored::Full && !spilled {
+                    spilled = true;
+                    // Room from the pool's holes first: moving objects writes nothing to the
+                    // file.
+                    if self.compact_pool() > 0 {
+                        stored = c.pool.store(page);
                     }
-                    None => {
-                        Counters::bump(&self.counters.compressed_skipped);
-                        c.forget_seq(p);
-                        to_file.push((p, s, h));
+                    if stored == Stored::Full {
+                        // Not enough for this page's class: the oldest go to the file.
+                        self.spill(SPILL_ROOM);
+                        stored = c.pool.store(page);
                     }
                 }
-                continue;
-            }
-            let mut stored = c.pool.store(page);
-            if stored == Stored::Full && !spilled {
-                spilled = true;
-                // Room from the pool's holes first: moving objects writes nothing to the file.
-                if self.compact_pool() > 0 {
-                    stored = c.pool.store(page);
-                }
-                if stored == Stored::Full {
-                    // Not enough for this page's class: the oldest go to the file.
-                    self.spill(SPILL_ROOM);
-                    stored = c.pool.store(page);
-                }
-            }
-            c.tried(stored);
+                c.tried(stored);
+                Some(stored)
+            } else {
+                same_word(page).map(Stored::Same)
+            };
             match stored {
-                Stored::Same(word) => {
+                Some(Stored::Same(word)) => {
                     self.forget_copy(p);
                     self.pt.set_hash(p, word);
                     self.pt.set_copy(p, Some(TierCopy::Same));
                     Counters::bump(&self.counters.compressed_same);
                     out.stored += 1;
                 }
-                Stored::Object(handle) => {
+                Some(Stored::Object(handle)) => {
                     self.forget_copy(p);
                     self.pt.set_hash(p, h);
                     self.pt.set_copy(p, Some(TierCopy::Pool(handle)));
@@ -470,12 +460,17 @@ impl Engine {
                     Counters::bump(&self.counters.compressed_stores);
                     out.stored += 1;
                 }
-                Stored::TooBig => {
+                Some(Stored::TooBig) => {
                     Counters::bump(&self.counters.compressed_rejected);
                     c.forget_seq(p);
                     to_file.push((p, s, h));
                 }
-                Stored::Full => {
+                Some(Stored::Full) => {
+                    c.forget_seq(p);
+                    to_file.push((p, s, h));
+                }
+                None => {
+                    Counters::bump(&self.counters.compressed_skipped);
                     c.forget_seq(p);
                     to_file.push((p, s, h));
                 }

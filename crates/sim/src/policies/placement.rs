@@ -26,18 +26,26 @@ pub struct Placement {
 impl Placement {
     /// Placement as the engine runs it, between its watermarks.
     pub fn new(pages: u64, cap: u64) -> Placement {
-        Placement::with(pages, Watermarks::for_quota(cap), "placement")
+        Placement::with(pages, Self::watermarks(false, cap), "placement")
     }
 
     /// Placement with exactly `cap` pages of DRAM in use, as the other policies have.
     pub fn exact(pages: u64, cap: u64) -> Placement {
-        let wm = Watermarks {
-            quota: cap.max(1),
-            high_headroom: 0,
-            low_headroom: 0,
-            ..Watermarks::for_quota(cap)
-        };
-        Placement::with(pages, wm, "placement-exact")
+        Placement::with(pages, Self::watermarks(true, cap), "placement-exact")
+    }
+
+    /// The engine's watermarks for a quota of `cap` pages, or (`exact`) none below it.
+    fn watermarks(exact: bool, cap: u64) -> Watermarks {
+        if exact {
+            Watermarks {
+                quota: cap.max(1),
+                high_headroom: 0,
+                low_headroom: 0,
+                ..Watermarks::for_quota(cap)
+            }
+        } else {
+            Watermarks::for_quota(cap)
+        }
     }
 
     fn with(pages: u64, wm: Watermarks, name: &'static str) -> Placement {
@@ -132,17 +140,7 @@ impl Policy for Placement {
     }
 
     fn set_capacity(&mut self, cap: u64) -> bool {
-        let cap = cap.max(1);
-        self.wm = if self.name == "placement-exact" {
-            Watermarks {
-                quota: cap,
-                high_headroom: 0,
-                low_headroom: 0,
-                ..Watermarks::for_quota(cap)
-            }
-        } else {
-            Watermarks::for_quota(cap)
-        };
+        self.wm = Self::watermarks(self.name == "placement-exact", cap.max(1));
         self.placement.set_quota(self.wm.quota);
         true
     }

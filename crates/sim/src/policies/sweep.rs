@@ -155,7 +155,7 @@ impl Sweep {
             fifo: Default::default(),
             staged: 0,
             resident: 0,
-            wm: Watermarks::for_quota(cap.max(16)),
+            wm: Self::watermarks(cap),
             sweep: memtide_policy::Sweep::default(),
             clock: EpochClock::new(epoch_ns),
             now_ns: 0,
@@ -173,6 +173,11 @@ impl Sweep {
             i,
         );
         self.hist[i] = h.touch();
+    }
+
+    /// The engine's watermarks for a quota of `cap` pages (at least 16).
+    fn watermarks(cap: u64) -> Watermarks {
+        Watermarks::for_quota(cap.max(16))
     }
 
     fn relieve(&mut self, o: &mut Outcome) {
@@ -194,7 +199,7 @@ impl Policy for Sweep {
     fn set_capacity(&mut self, cap: u64) -> bool {
         // Pages over the new quota leave at the next page brought in, as in the engine's
         // next relief.
-        self.wm = Watermarks::for_quota(cap.max(16));
+        self.wm = Self::watermarks(cap);
         true
     }
     fn access(&mut self, page: u64, write: bool, o: &mut Outcome) {
