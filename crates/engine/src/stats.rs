@@ -177,6 +177,8 @@ pub struct Counters {
     pub tier_copies_moved: AtomicU64,
     /// Pages unmapped into the inactive list.
     pub deactivations: AtomicU64,
+    /// Of those, pages a fault unmapped for the evictor (`Engine::stage_for_fault`).
+    pub deactivations_in_faults: AtomicU64,
     /// Pages the sweep found written since it last passed (kept mapped: no hint fault).
     pub pages_seen_written: AtomicU64,
     /// Inactive pages put back in place without a touch (to make room in the inactive list
@@ -251,6 +253,7 @@ impl Counters {
             &self.tier_copies_dropped,
             &self.tier_copies_moved,
             &self.deactivations,
+            &self.deactivations_in_faults,
             &self.pages_seen_written,
             &self.reactivations,
             &self.tier_read_bytes,
@@ -363,6 +366,10 @@ pub struct Snapshot {
     #[serde(default)]
     pub tier_copies_moved: u64,
     pub deactivations: u64,
+    /// Of those, pages a fault unmapped for the evictor while the program waited (no TLB
+    /// flush on another CPU).
+    #[serde(default)]
+    pub deactivations_in_faults: u64,
     /// Pages the CLOCK sweep found written since it last passed them, and kept mapped
     /// (where the kernel tracks writes: see `Uffd::tracks_writes`).
     #[serde(default)]

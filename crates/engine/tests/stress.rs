@@ -19,6 +19,10 @@
 //! any mismatch, and audits the engine's
 //! books against the page tables at the end.
 //!
+//! Faults go to handler threads. A third run, of half the time, delivers them in the faulting
+//! thread (SIGBUS), where faults also stage pages for the evictor; it does not fork (a fork
+//! there brings memory back untiered).
+//!
 //! Runs 40 s by default: `cargo test --release -p memtide-engine --test stress -- --minutes 60`
 //! (or `--seconds N`, or `MEMTIDE_STRESS_SECS`) for a soak. It prints its counts every minute
 //! and at the end.
@@ -27,7 +31,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::RwLock;
 use std::time::{Duration, Instant};
 
-use memtide_engine::{Config, Engine, EvictionPolicy, ForkPlan};
+use memtide_engine::{Config, Delivery, Engine, EvictionPolicy, ForkPlan};
 
 mod common;
 
@@ -448,6 +452,16 @@ fn policy() -> Option<EvictionPolicy> {
     Some(EvictionPolicy::from_name(name).expect("--policy sweep or placement"))
 }
 
+/// How faults are delivered: `--faults signal|threads` (default: handler threads).
+fn delivery() -> Delivery {
+    let args: Vec<String> = std::env::args().collect();
+    match args.iter().position(|a| a == "--faults") {
+        Some(i) => Delivery::from_name(args.get(i + 1).expect("--faults needs a name"))
+            .expect("--faults threads or signal"),
+        None => Delivery::Threads,
+    }
+}
+
 fn main() {
     if std::env::args().any(|a| a == "--list") {
         println!("stress_eviction_racing_with_access: test");
@@ -455,15 +469,28 @@ fn main() {
     }
     let run_for = duration();
     match policy() {
-        Some(p) => stress_eviction_racing_with_access(run_for, p),
+        Some(p) => stress_eviction_racing_with_access(run_for, p, delivery()),
         None => {
-            stress_eviction_racing_with_access(run_for, EvictionPolicy::Sweep);
-            let status = std::process::Command::new(std::env::current_exe().unwrap())
-                .args(["--policy", "placement", "--seconds"])
-                .arg(run_for.as_secs_f64().to_string())
-                .status()
-                .expect("run the placement stress test");
-            assert!(status.success(), "placement stress test: {status}");
+            stress_eviction_racing_with_access(run_for, EvictionPolicy::Sweep, Delivery::Threads);
+            let child = |args: &[&str], secs: f64, what: &str| {
+                let status = std::process::Command::new(std::env::current_exe().unwrap())
+                    .args(args)
+                    .arg("--seconds")
+                    .arg(secs.to_string())
+                    .status()
+                    .expect("run a stress test in a child");
+                assert!(status.success(), "{what} stress test: {status}");
+            };
+            child(
+                &["--policy", "placement"],
+                run_for.as_secs_f64(),
+                "placement",
+            );
+            child(
+                &["--policy", "sweep", "--faults", "signal"],
+                run_for.as_secs_f64() / 2.0,
+                "in-thread faults",
+            );
         }
     }
     // The line cargo's test harness prints, for the suite's totals.
@@ -472,7 +499,7 @@ fn main() {
 
 fn counts(world: &World, snap: &memtide_engine::Snapshot) -> String {
     format!(
-        "ops {} forks {} mismatches {} | faults zero {} tier {} (pool {}) inactive {} wait {} | pool: {} stored, {} same, {} rejected, {} untried, {} written back, {} steps up, {} down, {} moved by {} compactions | demotions {} (clean {}, zero {}) | moves underreported {} | handlers disarmed {}, armed {} | tier errors {}, mismatched reads {} | peak DRAM {} KiB of {} KiB quota",
+        "ops {} forks {} mismatches {} | faults zero {} tier {} (pool {}) inactive {} wait {} | pool: {} stored, {} same, {} rejected, {} untried, {} written back, {} steps up, {} down, {} moved by {} compactions | demotions {} (clean {}, zero {}), staged by faults {} | moves underreported {} | handlers disarmed {}, armed {} | tier errors {}, mismatched reads {} | peak DRAM {} KiB of {} KiB quota",
         world.ops.load(Ordering::Relaxed),
         world.forks.load(Ordering::Relaxed),
         world.mismatches.load(Ordering::Relaxed),
@@ -493,6 +520,7 @@ fn counts(world: &World, snap: &memtide_engine::Snapshot) -> String {
         snap.demotions,
         snap.demotions_clean,
         snap.demotions_zero,
+        snap.deactivations_in_faults,
         snap.moves_underreported,
         snap.handlers_disarmed,
         snap.handlers_armed,
@@ -503,13 +531,15 @@ fn counts(world: &World, snap: &memtide_engine::Snapshot) -> String {
     )
 }
 
-fn stress_eviction_racing_with_access(run_for: Duration, policy: EvictionPolicy) {
+fn stress_eviction_racing_with_access(run_for: Duration, policy: EvictionPolicy, faults: Delivery) {
+    let forking = faults == Delivery::Threads;
     let dir = std::env::temp_dir().join(format!("memtide-stress-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let mut cfg = Config::new(QUOTA, &dir);
     cfg.arena_bytes = 8 << 30;
     cfg.epoch_ms = 50;
     cfg.policy = policy;
+    cfg.faults = faults;
     // Under the sweep the pool sizes itself, so that its moves (and the write-backs a step
     // down makes) race with the faults too.
     cfg.compressed_adaptive = policy == EvictionPolicy::Sweep;
@@ -535,7 +565,7 @@ fn stress_eviction_racing_with_access(run_for: Duration, policy: EvictionPolicy)
         mismatches: AtomicU64::new(0),
         ops: AtomicU64::new(0),
         stop: AtomicBool::new(false),
-        next_fork: AtomicU64::new(1_000_000_000),
+        next_fork: AtomicU64::new(if forking { 1_000_000_000 } else { u64::MAX }),
         forks: AtomicU64::new(0),
         start: Instant::now(),
         phase: AtomicU32::new(0),
@@ -548,9 +578,10 @@ fn stress_eviction_racing_with_access(run_for: Duration, policy: EvictionPolicy)
         },
     };
     eprintln!(
-        "stress test (not a benchmark): {:.0} s, eviction policy {}, 4 threads, footprint 8x the quota, accessed bits cleared all along",
+        "stress test (not a benchmark): {:.0} s, eviction policy {}, faults to {}, 4 threads, footprint 8x the quota, accessed bits cleared all along",
         run_for.as_secs_f64(),
-        policy.name()
+        policy.name(),
+        faults.name()
     );
     let start = Instant::now();
     let mut report = Instant::now();
@@ -600,16 +631,28 @@ fn stress_eviction_racing_with_access(run_for: Duration, policy: EvictionPolicy)
     let cpus = memtide_engine::threads::allowed_cpus().map_or(0, |c| c.len());
     memtide_engine::threads::note_program_thread();
     let rseq = memtide_engine::threads::program_thread_cpu(memtide_engine::threads::gettid());
-    if (2..=64).contains(&cpus) && rseq.is_some() {
+    if forking && (2..=64).contains(&cpus) && rseq.is_some() {
         assert!(
             snap.handlers_disarmed > 0 && snap.handlers_armed > 0,
             "the run must exercise handlers following the workers' CPUs: {snap:?}"
         );
     }
-    assert!(
-        world.forks.load(Ordering::Relaxed) >= run_for.as_secs() / 2,
-        "the run must fork about every second"
-    );
+    if forking {
+        assert!(
+            world.forks.load(Ordering::Relaxed) >= run_for.as_secs() / 2,
+            "the run must fork about every second"
+        );
+    }
+    // Faults stage pages for the evictor where they are resolved in the faulting thread
+    // under the sweep, and only there.
+    if faults == Delivery::Signal && policy == EvictionPolicy::Sweep {
+        assert!(
+            snap.deactivations_in_faults > 1000,
+            "the run must exercise faults staging pages: {snap:?}"
+        );
+    } else {
+        assert_eq!(snap.deactivations_in_faults, 0, "{snap:?}");
+    }
     // Every child is gone: once the engine has found them dead, the tier's slots in use are
     // the parent's own (a child's are let go, those it shared stay the parent's).
     let t0 = Instant::now();
@@ -643,6 +686,10 @@ fn stress_eviction_racing_with_access(run_for: Duration, policy: EvictionPolicy)
     // With the program's threads gone (audit pauses the evictor), the books must balance.
     engine.audit().expect("page table books balance");
 
+    if !forking {
+        let _ = std::fs::remove_dir_all(&dir);
+        return;
+    }
     // Fork: both stay tiered; the child sees memory as it was at the fork; neither sees the
     // other's writes.
     let l0 = world.blocks[0].layout.read().unwrap();

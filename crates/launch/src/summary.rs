@@ -241,10 +241,10 @@ pub fn print(program: &str, status: &str, c: &Collected) {
             String::new()
         }
     );
-    if s.pages_seen_written > 0 {
+    if s.pages_seen_written > 0 || s.deactivations_in_faults > 0 {
         eprintln!(
-            "  sweep    {} pages unmapped into the inactive list, {} kept in DRAM for being written since the last pass (no fault)",
-            s.deactivations, s.pages_seen_written
+            "  sweep    {} pages unmapped into the inactive list ({} by faults, for the evictor), {} kept in DRAM for being written since the last pass (no fault)",
+            s.deactivations, s.deactivations_in_faults, s.pages_seen_written
         );
     }
     eprintln!(

@@ -688,6 +688,38 @@ pub unsafe extern "C" fn pwrite64(fd: c_int, buf: *const c_void, n: size_t, off:
     unsafe { pwrite(fd, buf, n, off) }
 }
 
+/// getrandom(2) fills the buffer in the kernel: under signal delivery a page of it that is not
+/// in DRAM would fail the call with EFAULT (python's `os.urandom` did), so the managed part is
+/// pinned, a chunk at a time; the chunks go on while each is filled whole, as one call would.
+#[no_mangle]
+pub unsafe extern "C" fn getrandom(buf: *mut c_void, n: size_t, flags: libc::c_uint) -> ssize_t {
+    let f = real!(
+        "getrandom",
+        unsafe extern "C" fn(*mut c_void, size_t, libc::c_uint) -> ssize_t
+    );
+    let Some(e) = touches_managed(buf, n) else {
+        // SAFETY: the program's call, passed through.
+        return unsafe { f(buf, n, flags) };
+    };
+    let chunk = IO_CHUNK.load(Ordering::Relaxed);
+    let mut done = 0usize;
+    loop {
+        let len = (n - done).min(chunk);
+        let r = {
+            let _pin = e.pin(buf as usize + done, len);
+            // SAFETY: a piece of the program's buffer, pinned.
+            unsafe { f((buf as usize + done) as *mut c_void, len, flags) }
+        };
+        if r < 0 {
+            return if done > 0 { done as ssize_t } else { r };
+        }
+        done += r as usize;
+        if (r as usize) < len || done >= n {
+            return done as ssize_t;
+        }
+    }
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn recv(fd: c_int, buf: *mut c_void, n: size_t, flags: c_int) -> ssize_t {
     let f = real!(

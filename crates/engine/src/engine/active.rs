@@ -153,6 +153,8 @@ impl Engine {
         if self.ring.room() < SAMPLE && !self.quota.wm().over_high(self.quota.held()) {
             self.retire_staged(SAMPLE);
         }
+        // The head moves only under this lock: the room stays ours until the pages move.
+        let mut staging = self.staging();
         let room = self.ring.room().min(victims.capacity() as u64) as usize;
         victims.clear();
         for _ in 0..8 * SAMPLE {
@@ -177,7 +179,8 @@ impl Engine {
             }
         }
         victims.sort_unstable();
-        self.stage(victims);
+        self.stage(staging.moved(), victims);
+        drop(staging);
         s.sample.extend_from_slice(victims);
         s.sample.sort_unstable();
         s.sample.dedup();

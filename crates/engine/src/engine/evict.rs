@@ -293,13 +293,16 @@ impl Engine {
 
     /// Moves up to `want` of the coldest mapped pages, as the policy's CLOCK sweep picks them,
     /// into the inactive list (staging). Returns how many it moved.
-    fn deactivate(
-        &self,
-        want: u64,
-        sweep: &mut Sweep,
-        victims: &mut Vec<usize>,
-        scanned: &mut Written,
-    ) -> u64 {
+    fn deactivate(&self, want: u64, staging: &mut Staging) -> u64 {
+        let Staging { moved, hand } = staging;
+        let Some(Hand {
+            sweep,
+            victims,
+            scanned,
+        }) = hand
+        else {
+            return 0;
+        };
         let want = want.min(self.ring.room()).min(victims.capacity() as u64) as usize;
         victims.clear();
         let mut candidates = Candidates {
@@ -311,14 +314,60 @@ impl Engine {
         if sweep.deactivate(&mut candidates, want) == 0 {
             return 0;
         }
-        self.stage(victims)
+        self.stage(moved, victims)
+    }
+
+    /// The staging lock ([`Staging`]), taken by the evictor.
+    pub(super) fn staging(&self) -> std::sync::MutexGuard<'_, Staging> {
+        self.staging.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Fills the inactive list from a fault resolved in the faulting thread (see
+    /// `Config::stage_in_faults`), before the thread goes on: the thread unmaps pages of its
+    /// own process on its own CPU, so the kernel flushes the TLB there only (and on CPUs
+    /// running other threads of the process), where each page the evictor unmaps from
+    /// another CPU interrupts the program with a flush. Near the quota, when the inactive list
+    /// is short and nobody else is staging: up to [`FAULT_STAGE_MAX`] pages.
+    /// Async-signal-safe (no allocation; the lock is only tried).
+    pub(super) fn stage_for_fault(&self) {
+        if !self.stage_in_faults
+            || self.pause.load(Ordering::Acquire)
+            || self.detached.load(Ordering::Acquire)
+        {
+            return;
+        }
+        let wm = self.quota.wm();
+        let inactive = self.ring.staged.load(Ordering::Acquire);
+        if inactive >= wm.inactive_target || !wm.near_quota(self.quota.held()) {
+            return;
+        }
+        let Ok(mut staging) = self.staging.try_lock() else {
+            return;
+        };
+        // Under the lock: a fork or an audit that paused eviction waits for it (see
+        // `pause_evictor`).
+        if self.pause.load(Ordering::Acquire) || !self.tier_usable() {
+            return;
+        }
+        let want = (wm.inactive_target - inactive).min(FAULT_STAGE_MAX);
+        let n = self.deactivate(want, &mut staging);
+        Counters::add(&self.counters.deactivations_in_faults, n);
     }
 
     /// Moves the mapped pages `victims` (claimed `Busy` by this thread, in address order) into
-    /// staging slots at the ring's head; the caller made sure the ring has room for them all.
-    /// Pages that would not move are put back (or found gone); `victims` keeps those that
-    /// moved. Returns how many moved.
-    pub(super) fn stage(&self, victims: &mut Vec<usize>) -> u64 {
+    /// staging slots at the ring's head. The caller holds [`Engine::staging`] (of which
+    /// `moved` is part): the head moves only under it. Pages beyond the ring's room, and those
+    /// that would not move, are put back (or found gone); `victims` keeps those that moved.
+    /// Returns how many moved. Allocates nothing while `victims` is no longer than `moved`'s
+    /// capacity.
+    pub(super) fn stage(&self, moved: &mut Vec<bool>, victims: &mut Vec<usize>) -> u64 {
+        let room = self.ring.room() as usize;
+        if victims.len() > room {
+            for &p in &victims[room..] {
+                self.pt.publish(p, State::Mapped, None);
+            }
+            victims.truncate(room);
+        }
         if !self.locked.load(Ordering::Acquire) {
             // Unlocked memory may have been swapped out by Linux: only pages in DRAM move.
             victims.retain(|&p| {
@@ -331,7 +380,8 @@ impl Engine {
         }
         // Victims are in address order: move runs of neighbours in one call each.
         let mut moved_total = 0u64;
-        let mut moved = vec![false; victims.len()];
+        moved.clear();
+        moved.resize(victims.len(), false);
         let mut k = 0;
         while k < victims.len() {
             let head = self.ring.head();
@@ -741,13 +791,74 @@ const WRITE_SCAN_PAGES: usize = 512;
 /// Times a pass of the hand reads each page's writes: at the hand and evenly ahead of it.
 const WRITE_LOOKS: usize = 4;
 
-/// The CLOCK sweep's state in the evictor: the hand, and the pages it picks.
-pub(super) struct Sweeping {
+/// Pages a fault stages at most for the evictor ([`Engine::stage_for_fault`]): one page in
+/// per fault is the steady state; more lets faults catch up after a write-back batch without
+/// making any one fault wait long.
+const FAULT_STAGE_MAX: u64 = 8;
+
+/// How far short of its target the inactive list runs before the evictor fills it itself,
+/// where faults stage pages for it: the faults of a program that keeps faulting fill it,
+/// without a TLB flush on another CPU.
+const FAULT_STAGE_SLACK_BATCHES: u64 = 2;
+
+/// Whoever moves pages into the staging ring holds this ([`Engine::staging`]): the ring's
+/// head moves only under it. The evictor takes it for each round of staging; a fault only
+/// tries it.
+pub(super) struct Staging {
+    /// Which pages of a batch moved (scratch for [`Engine::stage`]).
+    moved: Vec<bool>,
+    /// The CLOCK sweep's state (`None` under placement), shared by the evictor and the faults
+    /// that stage for it.
+    hand: Option<Hand>,
+}
+
+impl Staging {
+    /// Scratch for batches of up to [`STAGE_CAPACITY`] pages without allocating, and the
+    /// sweep's hand when the policy is the CLOCK sweep.
+    pub(super) fn new(sweep: bool) -> Staging {
+        Staging {
+            moved: Vec::with_capacity(STAGE_CAPACITY),
+            hand: sweep.then(Hand::new),
+        }
+    }
+
+    /// The scratch [`Engine::stage`] needs, for callers that picked their own victims.
+    pub(super) fn moved(&mut self) -> &mut Vec<bool> {
+        &mut self.moved
+    }
+}
+
+/// The largest batch a sweep stages in one call.
+const STAGE_CAPACITY: usize = {
+    let a = (Watermarks::MAX_BATCH * 4) as usize;
+    let b = active::SAMPLE as usize;
+    if a > b {
+        a
+    } else {
+        b
+    }
+};
+
+/// The CLOCK sweep's state: the hand, and the pages it picks.
+pub(super) struct Hand {
     sweep: Sweep,
     victims: Vec<usize>,
     /// The pages whose writes were last read, just ahead of the hand.
     scanned: Written,
 }
+
+impl Hand {
+    fn new() -> Hand {
+        Hand {
+            sweep: Sweep::default(),
+            victims: Vec::with_capacity(STAGE_CAPACITY),
+            scanned: Written::new(),
+        }
+    }
+}
+
+/// The CLOCK sweep as the evictor drives it; its state is in [`Engine::staging`].
+pub(super) struct Sweeping;
 
 /// Which pages at the sweep's hand the program wrote lately (where the kernel tracks writes,
 /// [`Uffd::tracks_writes`]). A written page was in use: it keeps its place in DRAM without
@@ -840,16 +951,6 @@ impl Written {
     }
 }
 
-impl Sweeping {
-    pub(super) fn new() -> Sweeping {
-        Sweeping {
-            sweep: Sweep::default(),
-            victims: Vec::with_capacity((Watermarks::MAX_BATCH * 4).max(active::SAMPLE) as usize),
-            scanned: Written::new(),
-        }
-    }
-}
-
 impl Evictor for Sweeping {
     /// The policy crate's pressure relief ([`Watermarks::relieve`]) over the page table: the
     /// sweep fills the inactive list, the list's oldest pages are written back.
@@ -859,22 +960,13 @@ impl Evictor for Sweeping {
         writing: &mut Vec<(usize, u32)>,
         _new_epoch: bool,
     ) -> Relief {
-        engine.quota.wm().relieve(&mut Pressure {
-            engine,
-            sweep: &mut self.sweep,
-            victims: &mut self.victims,
-            scanned: &mut self.scanned,
-            writing,
-        })
+        engine.quota.wm().relieve(&mut Pressure { engine, writing })
     }
 }
 
 /// The engine as the policy's pressure relief drives it.
 struct Pressure<'a> {
     engine: &'a Engine,
-    sweep: &'a mut Sweep,
-    victims: &'a mut Vec<usize>,
-    scanned: &'a mut Written,
     writing: &'a mut Vec<(usize, u32)>,
 }
 
@@ -888,8 +980,17 @@ impl Relieve for Pressure<'_> {
     }
 
     fn deactivate(&mut self, want: u64) -> u64 {
-        self.engine
-            .deactivate(want, self.sweep, self.victims, self.scanned)
+        let e = self.engine;
+        // Where faults stage for the evictor, they keep the list filled while the program
+        // faults; the evictor fills it only when they fall well behind (or do not fault).
+        let wm = e.quota.wm();
+        if e.stage_in_faults
+            && want <= FAULT_STAGE_SLACK_BATCHES * wm.batch
+            && self.inactive() >= wm.batch
+        {
+            return 0;
+        }
+        e.deactivate(want, &mut e.staging())
     }
 
     fn write_back(&mut self, batch: u64) -> u64 {

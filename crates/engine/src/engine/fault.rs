@@ -138,6 +138,8 @@ impl Engine {
             return Fault::NotManaged;
         }
         let p = self.page_of(addr);
+        // Near the quota, the faulting thread first fills the inactive list for the evictor.
+        self.stage_for_fault();
         loop {
             let w = self.pt.load(p);
             match w.state() {

@@ -121,6 +121,13 @@ pub struct Config {
     /// writes keeps its place without being unmapped to prove it. On by default;
     /// `MEMTIDE_TRACK_WRITES=0` turns it off.
     pub track_writes: bool,
+    /// Let faults resolved in the faulting thread (`Delivery::Signal`) under the CLOCK sweep
+    /// fill the inactive list for the evictor (see `Engine::stage_for_fault`): a page
+    /// unmapped there costs no TLB flush on another CPU. On by default;
+    /// `MEMTIDE_STAGE_IN_FAULTS=0` turns it off (the evictor stages every page). Handler
+    /// threads never stage: there the fault waits for the staging and for a wake-up both, and
+    /// it was slower than the flushes it saved.
+    pub stage_in_faults: bool,
     /// Let a fault poll for its tier read's completion before sleeping (up to twice the
     /// device's usual read time; after a poll was preempted, the next reads sleep: see
     /// `tier::uring::ReadPoll`). On by default; `MEMTIDE_POLL_READS=0` turns it off.
@@ -160,6 +167,7 @@ impl Config {
             encrypt_tier: false,
             policy: EvictionPolicy::Sweep,
             track_writes: true,
+            stage_in_faults: true,
             poll_reads: true,
             follow_threads: true,
             compress: Compress::Lz4,
@@ -258,6 +266,12 @@ pub struct Engine {
     recorder: Option<Recorder>,
     /// Which pages leave DRAM.
     policy: EvictionPolicy,
+    /// Held by whoever moves pages into the staging ring (the ring's head moves under it),
+    /// with the CLOCK sweep's hand.
+    staging: Mutex<evict::Staging>,
+    /// Whether faults stage pages for the evictor (`Config::stage_in_faults`: CLOCK sweep,
+    /// faults resolved in the faulting thread).
+    stage_in_faults: bool,
     /// Whether the policy takes staged pages out of the ring out of its order.
     staged_out_of_order: bool,
     /// When the policy asks for them: the pages brought into DRAM, for the evictor to place.
@@ -424,6 +438,10 @@ impl Engine {
             inject: Inject::default(),
             recorder,
             policy: cfg.policy,
+            staging: Mutex::new(evict::Staging::new(cfg.policy == EvictionPolicy::Sweep)),
+            stage_in_faults: cfg.stage_in_faults
+                && cfg.policy == EvictionPolicy::Sweep
+                && cfg.faults == Delivery::Signal,
             staged_out_of_order: needs.staged_out_of_order,
             arrivals,
             warnings: Mutex::new(Vec::new()),
@@ -719,6 +737,7 @@ impl Engine {
             tier_copies_dropped: r(&c.tier_copies_dropped),
             tier_copies_moved: r(&c.tier_copies_moved),
             deactivations: r(&c.deactivations),
+            deactivations_in_faults: r(&c.deactivations_in_faults),
             pages_seen_written: r(&c.pages_seen_written),
             reactivations: r(&c.reactivations),
             recorded_events: self.recorder.as_ref().map_or(0, |r| r.written()),

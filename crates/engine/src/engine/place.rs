@@ -293,7 +293,7 @@ impl Engine {
             return 0;
         }
         chosen.sort_unstable();
-        let n = self.stage(chosen);
+        let n = self.stage(self.staging().moved(), chosen);
         chosen.clear();
         n
     }
@@ -307,7 +307,7 @@ impl Engine {
         }
         let chosen = pl.to_unmap.clone();
         pl.to_unmap.sort_unstable();
-        self.stage(&mut pl.to_unmap);
+        self.stage(self.staging().moved(), &mut pl.to_unmap);
         for &p in &chosen {
             if pl.to_unmap.binary_search(&p).is_err() {
                 pl.placement.arrived(p);

@@ -69,7 +69,7 @@ impl EvictionPolicy {
     /// The policy's state in the evictor thread of `engine`.
     pub(super) fn evictor(self, engine: &Engine) -> Box<dyn Evictor> {
         match self {
-            EvictionPolicy::Sweep => Box::new(Sweeping::new()),
+            EvictionPolicy::Sweep => Box::new(Sweeping),
             EvictionPolicy::Placement => {
                 Box::new(Placer::new(engine.pt.pages(), engine.quota.wm().quota))
             }

@@ -735,6 +735,9 @@ impl Engine {
             self.bell.ring_always();
             std::thread::sleep(std::time::Duration::from_micros(200));
         }
+        // A fault staging pages for the evictor looks at `pause` under this lock: once we
+        // have held it, none is staging, and none will.
+        drop(self.staging.lock());
     }
 
     /// Lets a paused evictor run again (not after a fork fallback).

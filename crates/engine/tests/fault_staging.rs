@@ -1,0 +1,118 @@
+//! Faults resolved in the faulting thread (SIGBUS delivery) fill the inactive list for the
+//! evictor under the CLOCK sweep: the thread unmaps pages of its own process on its own CPU,
+//! so no other CPU is interrupted to flush its TLB. With handler threads, or with
+//! `stage_in_faults` off, the evictor stages every page. Each run rewrites random pages of a
+//! block four times the quota and reads every stamp back; the books must balance after.
+
+use memtide_engine::{Delivery, Engine, EvictionPolicy};
+
+mod common;
+
+use common::{config, scratch, start, Rng, PAGE};
+
+/// 16 MiB of DRAM under a block of 64 MiB.
+const QUOTA: u64 = 16 << 20;
+const PAGES: usize = 16 << 10;
+/// Steps: each reads one page at random, checks its stamp and writes the next one.
+const STEPS: usize = 60_000;
+
+fn stamp(i: usize, round: u32) -> u64 {
+    ((i as u64) << 32 | round as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1
+}
+
+struct Outcome {
+    deactivations: u64,
+    in_faults: u64,
+    tier_faults: u64,
+    wrong: usize,
+}
+
+fn run(name: &str, faults: Delivery, stage_in_faults: bool) -> Outcome {
+    let dir = scratch(name);
+    let mut cfg = config(&dir, QUOTA);
+    cfg.policy = EvictionPolicy::Sweep;
+    cfg.faults = faults;
+    cfg.stage_in_faults = stage_in_faults;
+    let e: &Engine = start(&cfg);
+    let base = e.alloc(PAGES * PAGE, PAGE).unwrap();
+    // Stamps at both ends of each page, so that a page that lost a write or came back as
+    // another page's bytes reads wrong.
+    let at = |i: usize, k: usize| (base + i * PAGE + k * (PAGE - 8)) as *mut u64;
+    let mut round = vec![0u32; PAGES];
+    for i in 0..PAGES {
+        for k in 0..2 {
+            // SAFETY: managed memory we own.
+            unsafe { at(i, k).write_volatile(stamp(i, 0)) };
+        }
+    }
+    let s0 = e.snapshot();
+    let mut rng = Rng(0xFA17);
+    let mut wrong = 0;
+    for _ in 0..STEPS {
+        let i = rng.below(PAGES);
+        for k in 0..2 {
+            // SAFETY: as above.
+            unsafe {
+                wrong += (at(i, k).read_volatile() != stamp(i, round[i])) as usize;
+            }
+        }
+        round[i] += 1;
+        for k in 0..2 {
+            // SAFETY: as above.
+            unsafe { at(i, k).write_volatile(stamp(i, round[i])) };
+        }
+    }
+    for (i, &r) in round.iter().enumerate() {
+        for k in 0..2 {
+            // SAFETY: as above.
+            wrong += (unsafe { at(i, k).read_volatile() } != stamp(i, r)) as usize;
+        }
+    }
+    let s1 = e.snapshot();
+    e.audit()
+        .unwrap_or_else(|err| panic!("{name}: the page table agrees with the hardware one: {err}"));
+    Outcome {
+        deactivations: s1.deactivations - s0.deactivations,
+        in_faults: s1.deactivations_in_faults - s0.deactivations_in_faults,
+        tier_faults: s1.faults_tier - s0.faults_tier,
+        wrong,
+    }
+}
+
+#[test]
+fn faults_in_the_faulting_thread_stage_pages_for_the_evictor() {
+    let runs = [
+        ("in-thread", run("stage-signal", Delivery::Signal, true)),
+        (
+            "in-thread, off",
+            run("stage-signal-off", Delivery::Signal, false),
+        ),
+        (
+            "handler threads",
+            run("stage-threads", Delivery::Threads, true),
+        ),
+    ];
+    for (what, o) in &runs {
+        eprintln!(
+            "{what}: {} pages unmapped, {} of them by faults; {} tier faults",
+            o.deactivations, o.in_faults, o.tier_faults
+        );
+        assert_eq!(o.wrong, 0, "{what}: every page read back its stamps");
+        assert!(
+            o.tier_faults > STEPS as u64 / 2,
+            "{what}: most reads came from below DRAM"
+        );
+    }
+    let [(_, on), (_, off), (_, threads)] = &runs;
+    assert!(
+        on.in_faults * 2 > on.deactivations,
+        "faults that keep coming fill the inactive list themselves: {} of {} pages",
+        on.in_faults,
+        on.deactivations
+    );
+    assert_eq!(off.in_faults, 0, "turned off, only the evictor stages");
+    assert_eq!(
+        threads.in_faults, 0,
+        "handler threads leave the staging to the evictor"
+    );
+}
