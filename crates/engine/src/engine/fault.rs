@@ -576,8 +576,13 @@ impl Engine {
             by_slot_only as u64,
         );
         let (buf, n) = self.read_verified(p, slot, n);
-        // Counted (and recorded) before the pages are mapped: mapping wakes the faulting
-        // thread, and what it reads of the counters next must include its own fault.
+        // Where this read ended, and the counts, before the pages are mapped: mapping wakes
+        // the faulting thread, whose next fault (on another handler thread, perhaps) must
+        // find this one's end to count as the run's next, and whose reads of the counters
+        // must include its own fault.
+        self.file
+            .sequential
+            .ended_at(p + n - 1, slot + n as u64 - 1);
         self.note(p, Event::TierFault);
         Counters::bump(&self.counters.faults_tier);
         Counters::add(&self.counters.promotions, n as u64);
@@ -597,9 +602,6 @@ impl Engine {
             };
             self.pt.publish(p + i, State::Mapped, Some(h));
         }
-        self.file
-            .sequential
-            .ended_at(p + n - 1, slot + n as u64 - 1);
         for q in p..p + n {
             self.arrived(q);
         }
