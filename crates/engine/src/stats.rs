@@ -179,6 +179,8 @@ pub struct Counters {
     pub deactivations: AtomicU64,
     /// Of those, pages a fault unmapped for the evictor (`Engine::stage_for_fault`).
     pub deactivations_in_faults: AtomicU64,
+    /// Pages a fault staging for the evictor found gone and left to it (`evict::Orphans`).
+    pub fault_stage_orphans: AtomicU64,
     /// Pages the sweep found written since it last passed (kept mapped: no hint fault).
     pub pages_seen_written: AtomicU64,
     /// Inactive pages put back in place without a touch (to make room in the inactive list
@@ -254,6 +256,7 @@ impl Counters {
             &self.tier_copies_moved,
             &self.deactivations,
             &self.deactivations_in_faults,
+            &self.fault_stage_orphans,
             &self.pages_seen_written,
             &self.reactivations,
             &self.tier_read_bytes,
@@ -370,6 +373,10 @@ pub struct Snapshot {
     /// flush on another CPU).
     #[serde(default)]
     pub deactivations_in_faults: u64,
+    /// Pages a fault staging for the evictor found gone (zapped behind memtide's back) and
+    /// left to the evictor.
+    #[serde(default)]
+    pub fault_stage_orphans: u64,
     /// Pages the CLOCK sweep found written since it last passed them, and kept mapped
     /// (where the kernel tracks writes: see `Uffd::tracks_writes`).
     #[serde(default)]

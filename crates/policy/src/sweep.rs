@@ -113,6 +113,17 @@ impl Sweep {
     /// more once it has spared a page (a page proven in use is spared on all but one of
     /// `2^proven` passes). Returns how many pages were taken.
     pub fn deactivate(&mut self, pages: &mut impl SweepPages, want: usize) -> usize {
+        self.deactivate_within(pages, want, usize::MAX)
+    }
+
+    /// [`deactivate`](Self::deactivate), looking at no more than `max_scan` pages: for a
+    /// caller that must not wait long (a fault), which leaves a longer search to the next.
+    pub fn deactivate_within(
+        &mut self,
+        pages: &mut impl SweepPages,
+        want: usize,
+        max_scan: usize,
+    ) -> usize {
         let n = pages.extent();
         if want == 0 || n == 0 {
             return 0;
@@ -124,7 +135,7 @@ impl Sweep {
         // up to 2^MAX_PROVEN more to reach pages due a test.
         let mut limit = n * (IdleBar::MAX_IDLE as usize + 1);
         let mut spared = false;
-        while taken < want && scanned < limit {
+        while taken < want && scanned < limit.min(max_scan) {
             if self.hand >= n {
                 self.hand = 0;
                 self.passes = self.passes.wrapping_add(1);
@@ -269,6 +280,27 @@ mod tests {
         }
         s.end_pass(0);
         assert_eq!(s.required_idle(), 1);
+    }
+
+    #[test]
+    fn a_bounded_search_stops_at_its_budget_and_the_next_goes_on_from_there() {
+        // Every page idle enough only from index 100 on: a search of 40 pages finds none and
+        // leaves the hand at 40; the next goes on from there.
+        let mut hist = vec![Activeness::TOUCHED; 100];
+        hist.extend(vec![Activeness(0); 100]);
+        let mut pages = Pages {
+            hist,
+            taken: Vec::new(),
+        };
+        let mut s = Sweep::default();
+        assert_eq!(s.deactivate_within(&mut pages, 4, 40), 0);
+        assert_eq!(s.hand, 40);
+        assert_eq!(s.deactivate_within(&mut pages, 4, 40), 0);
+        assert_eq!(s.deactivate_within(&mut pages, 4, 40), 4);
+        assert_eq!(pages.taken, vec![100, 101, 102, 103]);
+        // Unbounded, the sweep goes round as far as it takes.
+        assert_eq!(s.deactivate(&mut pages, 8), 8);
+        assert_eq!(pages.taken.len(), 12);
     }
 
     /// Pages with given histories, all candidates; taking one records it.

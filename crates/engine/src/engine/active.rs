@@ -252,8 +252,7 @@ impl Engine {
             pos += 1;
         }
         // Every slot passed is empty now, or holds a dead page's DRAM: release them at once.
-        self.release_slots(tail0, pos);
-        self.ring.set_tail(pos);
+        self.pass_tail(tail0, pos);
         if dead > 0 {
             self.ring.staged.fetch_sub(dead, Ordering::AcqRel);
             self.quota.unreserve(dead);

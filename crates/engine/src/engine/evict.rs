@@ -41,6 +41,8 @@ impl Engine {
                 continue;
             }
             self.parked.store(false, Ordering::Release);
+            self.adopt_orphans();
+            self.fault_staging_idle.store(false, Ordering::Release);
             self.share_quota();
             let cpu0 = sys::thread_cpu_ns();
             let now = sys::now_ns();
@@ -294,6 +296,18 @@ impl Engine {
     /// Moves up to `want` of the coldest mapped pages, as the policy's CLOCK sweep picks them,
     /// into the inactive list (staging). Returns how many it moved.
     fn deactivate(&self, want: u64, staging: &mut Staging) -> u64 {
+        self.deactivate_in(want, staging, usize::MAX, false)
+    }
+
+    /// [`deactivate`](Self::deactivate), with the sweep looking at no more than `max_scan`
+    /// pages, from a fault when `in_fault`.
+    fn deactivate_in(
+        &self,
+        want: u64,
+        staging: &mut Staging,
+        max_scan: usize,
+        in_fault: bool,
+    ) -> u64 {
         let Staging { moved, hand } = staging;
         let Some(Hand {
             sweep,
@@ -311,10 +325,10 @@ impl Engine {
             victims,
             scanned,
         };
-        if sweep.deactivate(&mut candidates, want) == 0 {
+        if sweep.deactivate_within(&mut candidates, want, max_scan) == 0 {
             return 0;
         }
-        self.stage(moved, victims)
+        self.stage_from(moved, victims, in_fault)
     }
 
     /// The staging lock ([`Staging`]), taken by the evictor.
@@ -341,17 +355,42 @@ impl Engine {
         if inactive >= wm.inactive_target || !wm.near_quota(self.quota.held()) {
             return;
         }
-        let Ok(mut staging) = self.staging.try_lock() else {
+        if self.fault_staging_idle.load(Ordering::Acquire) {
             return;
+        }
+        let mut staging = match self.staging.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return,
         };
         // Under the lock: a fork or an audit that paused eviction waits for it (see
         // `pause_evictor`).
         if self.pause.load(Ordering::Acquire) || !self.tier_usable() {
             return;
         }
-        let want = (wm.inactive_target - inactive).min(FAULT_STAGE_MAX);
-        let n = self.deactivate(want, &mut staging);
+        // A page that will not move and is gone is left to the evictor (see `stage_from`):
+        // room for each page this may take.
+        let want = (wm.inactive_target - inactive)
+            .min(FAULT_STAGE_MAX)
+            .min(self.orphans.room() as u64);
+        if want == 0 {
+            return;
+        }
+        let n = self.deactivate_in(want, &mut staging, FAULT_SCAN_MAX, true);
+        if n == 0 {
+            // Nothing within reach: faults leave the search to the evictor until its next
+            // round rather than each scanning again.
+            self.fault_staging_idle.store(true, Ordering::Release);
+        }
         Counters::add(&self.counters.deactivations_in_faults, n);
+    }
+
+    /// Finishes with the pages faults could not stage and found gone (see [`Orphans`]):
+    /// each is the evictor's now.
+    pub(super) fn adopt_orphans(&self) {
+        while let Some(p) = self.orphans.take() {
+            self.handle_unmovable(p);
+        }
     }
 
     /// Moves the mapped pages `victims` (claimed `Busy` by this thread, in address order) into
@@ -361,6 +400,14 @@ impl Engine {
     /// Returns how many moved. Allocates nothing while `victims` is no longer than `moved`'s
     /// capacity.
     pub(super) fn stage(&self, moved: &mut Vec<bool>, victims: &mut Vec<usize>) -> u64 {
+        self.stage_from(moved, victims, false)
+    }
+
+    /// [`stage`](Self::stage); from a fault when `in_fault`, where a page that would not move
+    /// and is gone (zapped behind memtide's back) stays `Busy` for the evictor, which frees
+    /// its copy below DRAM (that takes locks a signal handler must not wait on): the caller
+    /// made room in [`Orphans`] for every victim.
+    fn stage_from(&self, moved: &mut Vec<bool>, victims: &mut Vec<usize>, in_fault: bool) -> u64 {
         let room = self.ring.room() as usize;
         if victims.len() > room {
             for &p in &victims[room..] {
@@ -373,7 +420,7 @@ impl Engine {
             victims.retain(|&p| {
                 let present = self.presence(self.addr_of(p)) == sys::Presence::Present;
                 if !present {
-                    self.handle_unmovable(p);
+                    self.unmovable(p, in_fault);
                 }
                 present
             });
@@ -427,7 +474,7 @@ impl Engine {
                         .store(RING_EMPTY, Ordering::Release);
                     // Why did it stay? (Each page is asked: one that is not there at all
                     // must not be taken for mapped.)
-                    self.handle_unmovable(p);
+                    self.unmovable(p, in_fault);
                 }
             }
             self.ring.set_head(head + n as u64);
@@ -439,6 +486,18 @@ impl Engine {
         });
         Counters::add(&self.counters.deactivations, moved_total);
         moved_total
+    }
+
+    /// [`handle_unmovable`](Self::handle_unmovable), or from a fault, for a page that is gone,
+    /// leaves it to the evictor.
+    fn unmovable(&self, p: usize, in_fault: bool) {
+        if in_fault && self.presence(self.addr_of(p)) == sys::Presence::Absent {
+            self.orphans.leave(p);
+            Counters::bump(&self.counters.fault_stage_orphans);
+            self.bell.ring();
+        } else {
+            self.handle_unmovable(p);
+        }
     }
 
     /// A mapped page that UFFDIO_MOVE refused. Nothing there: the program zapped it without
@@ -517,8 +576,7 @@ impl Engine {
         }
         let out = self.retire(writing);
         // Release the DRAM of every processed slot at once (one TLB shootdown per batch).
-        self.release_slots(tail0, end);
-        self.ring.set_tail(end);
+        self.pass_tail(tail0, end);
         let released = out.left + dead;
         self.ring
             .staged
@@ -531,15 +589,18 @@ impl Engine {
         released
     }
 
-    /// Releases ring positions `[from, to)` behind a tail moving to `to` (see
-    /// [`StagingRing::zap`]), giving back the page tables of the chunks it has passed.
-    pub(super) fn release_slots(&self, from: u64, to: u64) {
+    /// Moves the ring's tail from `from` to `to`, releasing the positions it passes (see
+    /// [`StagingRing::zap`]) and giving back the page tables of the chunks it has passed.
+    /// Under the staging lock: a fault staging meanwhile could move the head into a chunk
+    /// being mapped afresh (the old tail still leaves it room there).
+    pub(super) fn pass_tail(&self, from: u64, to: u64) {
+        let _staging = self.staging();
         self.ring.zap(from, to, |addr, len| {
             // SAFETY: a chunk behind the tail that the head has not reached again: its slots
-            // hold nothing (see `StagingRing::zap`), and only the evictor, which is here,
-            // stages into slots.
+            // hold nothing (see `StagingRing::zap`), and nobody stages while we hold the lock.
             unsafe { self.renew(addr, len, "renewing the staging area failed") }
         });
+        self.ring.set_tail(to);
     }
 
     /// Takes the pages `writing` (each `Writing`, ours, at its staging slot) out of DRAM: zero
@@ -796,6 +857,55 @@ const WRITE_LOOKS: usize = 4;
 /// making any one fault wait long.
 const FAULT_STAGE_MAX: u64 = 8;
 
+/// Pages a fault's sweep looks at most: two windows of written pages.
+const FAULT_SCAN_MAX: usize = 2 * WRITE_SCAN_PAGES;
+
+/// Pages a fault staging for the evictor found gone (zapped behind memtide's back, so that
+/// they cannot be unmapped): each stays `Busy` here until the evictor, which may take the
+/// locks that freeing its copy below DRAM needs, finishes with it
+/// ([`Engine::adopt_orphans`]). Only a fault holding the staging lock leaves pages here and
+/// only the evictor takes them, so the room a fault counts under the lock is there when it
+/// leaves one.
+pub(super) struct Orphans {
+    /// Each `page + 1`, or 0.
+    pages: [std::sync::atomic::AtomicU32; FAULT_STAGE_MAX as usize],
+}
+
+impl Orphans {
+    pub(super) fn new() -> Orphans {
+        Orphans {
+            pages: std::array::from_fn(|_| std::sync::atomic::AtomicU32::new(0)),
+        }
+    }
+
+    /// Free places.
+    fn room(&self) -> usize {
+        self.pages
+            .iter()
+            .filter(|e| e.load(Ordering::Acquire) == 0)
+            .count()
+    }
+
+    /// Leaves page `p` (claimed `Busy`) for the evictor; the caller counted the room.
+    fn leave(&self, p: usize) {
+        let left = self.pages.iter().any(|e| {
+            e.compare_exchange(0, p as u32 + 1, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+        });
+        assert!(left, "no room for a page a fault could not stage");
+    }
+
+    /// A page left here, if any.
+    fn take(&self) -> Option<usize> {
+        self.pages
+            .iter()
+            .find_map(|e| match e.swap(0, Ordering::AcqRel) {
+                0 => None,
+                v => Some(v as usize - 1),
+            })
+    }
+}
+
 /// How far short of its target the inactive list runs before the evictor fills it itself,
 /// where faults stage pages for it: the faults of a program that keeps faulting fill it,
 /// without a TLB flush on another CPU.
@@ -960,7 +1070,11 @@ impl Evictor for Sweeping {
         writing: &mut Vec<(usize, u32)>,
         _new_epoch: bool,
     ) -> Relief {
-        engine.quota.wm().relieve(&mut Pressure { engine, writing })
+        engine.quota.wm().relieve(&mut Pressure {
+            engine,
+            writing,
+            left_to_faults: 0,
+        })
     }
 }
 
@@ -968,6 +1082,8 @@ impl Evictor for Sweeping {
 struct Pressure<'a> {
     engine: &'a Engine,
     writing: &'a mut Vec<(usize, u32)>,
+    /// Pages this round left to the faults to stage.
+    left_to_faults: u64,
 }
 
 impl Relieve for Pressure<'_> {
@@ -988,13 +1104,23 @@ impl Relieve for Pressure<'_> {
             && want <= FAULT_STAGE_SLACK_BATCHES * wm.batch
             && self.inactive() >= wm.batch
         {
+            self.left_to_faults = want;
             return 0;
         }
+        self.left_to_faults = 0;
         e.deactivate(want, &mut e.staging())
     }
 
     fn write_back(&mut self, batch: u64) -> u64 {
-        self.engine.write_back(batch, self.writing)
+        let e = self.engine;
+        let out = e.write_back(batch, self.writing);
+        if out == 0 && self.left_to_faults > 0 {
+            // Nothing at the tail could be written (pages taken back, or in flight): stage
+            // after all, rather than report no progress and let faults past the quota.
+            let want = std::mem::take(&mut self.left_to_faults);
+            return e.deactivate(want, &mut e.staging());
+        }
+        out
     }
 
     fn stopped(&self) -> bool {

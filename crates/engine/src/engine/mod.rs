@@ -272,6 +272,11 @@ pub struct Engine {
     /// Whether faults stage pages for the evictor (`Config::stage_in_faults`: CLOCK sweep,
     /// faults resolved in the faulting thread).
     stage_in_faults: bool,
+    /// Set when a fault found nothing to stage within its reach; the evictor clears it each
+    /// round.
+    fault_staging_idle: AtomicBool,
+    /// Pages faults could not stage and found gone, for the evictor.
+    orphans: evict::Orphans,
     /// Whether the policy takes staged pages out of the ring out of its order.
     staged_out_of_order: bool,
     /// When the policy asks for them: the pages brought into DRAM, for the evictor to place.
@@ -442,6 +447,8 @@ impl Engine {
             stage_in_faults: cfg.stage_in_faults
                 && cfg.policy == EvictionPolicy::Sweep
                 && cfg.faults == Delivery::Signal,
+            fault_staging_idle: AtomicBool::new(false),
+            orphans: evict::Orphans::new(),
             staged_out_of_order: needs.staged_out_of_order,
             arrivals,
             warnings: Mutex::new(Vec::new()),
@@ -738,6 +745,7 @@ impl Engine {
             tier_copies_moved: r(&c.tier_copies_moved),
             deactivations: r(&c.deactivations),
             deactivations_in_faults: r(&c.deactivations_in_faults),
+            fault_stage_orphans: r(&c.fault_stage_orphans),
             pages_seen_written: r(&c.pages_seen_written),
             reactivations: r(&c.reactivations),
             recorded_events: self.recorder.as_ref().map_or(0, |r| r.written()),

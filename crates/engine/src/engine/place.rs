@@ -363,7 +363,8 @@ impl Engine {
                 k += 1;
             }
             // SAFETY: these slots held pages now evicted, dropped, or moved back: nothing in
-            // them is needed, and only the evictor stages into slots.
+            // them is needed, and only the evictor stages into slots (faults never stage
+            // under placement).
             unsafe {
                 let _ = sys::discard(self.ring.addr(slots[start]), (k - start) * PAGE);
             }

@@ -736,8 +736,10 @@ impl Engine {
             std::thread::sleep(std::time::Duration::from_micros(200));
         }
         // A fault staging pages for the evictor looks at `pause` under this lock: once we
-        // have held it, none is staging, and none will.
-        drop(self.staging.lock());
+        // have held it, none is staging, and none will. Pages they left for the evictor are
+        // finished with here.
+        let _staging = self.staging();
+        self.adopt_orphans();
     }
 
     /// Lets a paused evictor run again (not after a fork fallback).

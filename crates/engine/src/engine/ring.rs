@@ -1,7 +1,7 @@
 //! The staging ring: where inactive pages wait in DRAM, unmapped from the program, until the
 //! evictor writes them to tier 1 or a touch moves them back. A registered staging area of
-//! page-sized slots, and one entry per slot naming the page it holds. The evictor fills slots
-//! at the head and retires them at the tail, oldest first. Entry point: [`StagingRing`].
+//! page-sized slots, and one entry per slot naming the page it holds. The evictor (or a fault
+//! staging for it) fills slots at the head; the evictor retires them at the tail, oldest first. Entry point: [`StagingRing`].
 //!
 //! # Invariants
 //!
@@ -10,7 +10,9 @@
 //!   slot still holds DRAM until the tail passes it) or [`RING_EMPTY`] (the page went back).
 //! - `staged` counts the pages in slots between tail and head: staged and writing pages plus
 //!   dead entries. Each of them holds DRAM.
-//! - Only the evictor moves head and tail.
+//! - The head moves only under the staging lock (`Engine::staging`: the evictor, or a fault
+//!   staging for it); the tail only in the evictor, under that lock as well when it maps
+//!   chunks afresh (`Engine::pass_tail`).
 //! - Slots behind the tail hold nothing: each whole chunk of them (see [`CHUNK_SLOTS`]) is
 //!   mapped afresh as the tail passes it, unless the head has come round to it already.
 
