@@ -58,6 +58,12 @@ impl IdleBar {
         self.wanted_this_pass = self.wanted_this_pass.saturating_add(pages);
     }
 
+    /// Withdraws demand a search left unmet by stopping early (not for want of pages): the
+    /// next search asks again.
+    pub fn unwant(&mut self, pages: u64) {
+        self.wanted_this_pass = self.wanted_this_pass.saturating_sub(pages);
+    }
+
     /// Whether a page with this history should be deactivated now.
     pub fn take(&mut self, history: Activeness) -> bool {
         let take = history.idle_epochs() >= self.required_idle;
@@ -157,6 +163,11 @@ impl Sweep {
                     }
                 }
             }
+        }
+        if taken < want && scanned >= max_scan && scanned < limit {
+            // Stopped by the budget, not by a lack of idle pages: what is still wanted is
+            // asked again by the next search, and must not count twice against the bar.
+            self.sweep.unwant((want - taken) as u64);
         }
         taken
     }
@@ -301,6 +312,9 @@ mod tests {
         // Unbounded, the sweep goes round as far as it takes.
         assert_eq!(s.deactivate(&mut pages, 8), 8);
         assert_eq!(pages.taken.len(), 12);
+        // The searches cut short by their budget asked for 4 pages each, once: the pass's
+        // demand is what was found (12), so the bar stays where it was at the wrap.
+        assert_eq!(s.sweep.wanted_this_pass, 12);
     }
 
     /// Pages with given histories, all candidates; taking one records it.

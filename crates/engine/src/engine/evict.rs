@@ -331,7 +331,7 @@ impl Engine {
         self.stage_from(moved, victims, in_fault)
     }
 
-    /// The staging lock ([`Staging`]), taken by the evictor.
+    /// The staging lock ([`Staging`]), taken by the evictor and by `pause_evictor`.
     pub(super) fn staging(&self) -> std::sync::MutexGuard<'_, Staging> {
         self.staging.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -491,12 +491,15 @@ impl Engine {
     /// [`handle_unmovable`](Self::handle_unmovable), or from a fault, for a page that is gone,
     /// leaves it to the evictor.
     fn unmovable(&self, p: usize, in_fault: bool) {
-        if in_fault && self.presence(self.addr_of(p)) == sys::Presence::Absent {
+        // Asked once: a page found there and published mapped takes no lock, whatever a zap
+        // racing with this does.
+        let presence = self.presence(self.addr_of(p));
+        if in_fault && presence == sys::Presence::Absent {
             self.orphans.leave(p);
             Counters::bump(&self.counters.fault_stage_orphans);
             self.bell.ring();
         } else {
-            self.handle_unmovable(p);
+            self.unmovable_as(p, presence);
         }
     }
 
@@ -504,7 +507,12 @@ impl Engine {
     /// telling us (it reads as zeros now); anything else (swapped out by Linux, shared after
     /// fork, pinned by the kernel for I/O): it stays mapped.
     fn handle_unmovable(&self, p: usize) {
-        if self.presence(self.addr_of(p)) == sys::Presence::Absent {
+        self.unmovable_as(p, self.presence(self.addr_of(p)));
+    }
+
+    /// [`handle_unmovable`](Self::handle_unmovable), with the page found `presence`.
+    fn unmovable_as(&self, p: usize, presence: sys::Presence) {
+        if presence == sys::Presence::Absent {
             self.forget_copy(p);
             self.quota.unreserve(1);
             self.pt.publish(p, State::Unpopulated, None);
@@ -561,6 +569,10 @@ impl Engine {
                     // ring order is the reverse of address order). The batch ends here; the
                     // next one starts with this slot.
                     if writing.is_empty() {
+                        // The one taking it may itself wait on a page a fault left to us
+                        // (a free claims its range in address order): finish with those
+                        // first.
+                        self.adopt_orphans();
                         self.pt.wait(p, w);
                         continue;
                     }
@@ -863,9 +875,9 @@ const FAULT_SCAN_MAX: usize = 2 * WRITE_SCAN_PAGES;
 /// Pages a fault staging for the evictor found gone (zapped behind memtide's back, so that
 /// they cannot be unmapped): each stays `Busy` here until the evictor, which may take the
 /// locks that freeing its copy below DRAM needs, finishes with it
-/// ([`Engine::adopt_orphans`]). Only a fault holding the staging lock leaves pages here and
-/// only the evictor takes them, so the room a fault counts under the lock is there when it
-/// leaves one.
+/// ([`Engine::adopt_orphans`]). Only a fault holding the staging lock leaves pages here;
+/// the evictor (or `pause_evictor`) takes them, which only makes room, so the room a fault
+/// counts under the lock is there when it leaves one.
 pub(super) struct Orphans {
     /// Each `page + 1`, or 0.
     pages: [std::sync::atomic::AtomicU32; FAULT_STAGE_MAX as usize],
@@ -1113,12 +1125,15 @@ impl Relieve for Pressure<'_> {
 
     fn write_back(&mut self, batch: u64) -> u64 {
         let e = self.engine;
+        // Pages faults left to the evictor are finished with each round: a fault or a free
+        // may be waiting on one.
+        e.adopt_orphans();
         let out = e.write_back(batch, self.writing);
-        if out == 0 && self.left_to_faults > 0 {
+        let left = std::mem::take(&mut self.left_to_faults);
+        if out == 0 && left > 0 {
             // Nothing at the tail could be written (pages taken back, or in flight): stage
             // after all, rather than report no progress and let faults past the quota.
-            let want = std::mem::take(&mut self.left_to_faults);
-            return e.deactivate(want, &mut e.staging());
+            return e.deactivate(left, &mut e.staging());
         }
         out
     }

@@ -1,7 +1,8 @@
 //! The staging ring: where inactive pages wait in DRAM, unmapped from the program, until the
 //! evictor writes them to tier 1 or a touch moves them back. A registered staging area of
 //! page-sized slots, and one entry per slot naming the page it holds. The evictor (or a fault
-//! staging for it) fills slots at the head; the evictor retires them at the tail, oldest first. Entry point: [`StagingRing`].
+//! staging for it) fills slots at the head; the evictor retires them at the tail, oldest
+//! first. Entry point: [`StagingRing`].
 //!
 //! # Invariants
 //!
@@ -11,8 +12,8 @@
 //! - `staged` counts the pages in slots between tail and head: staged and writing pages plus
 //!   dead entries. Each of them holds DRAM.
 //! - The head moves only under the staging lock (`Engine::staging`: the evictor, or a fault
-//!   staging for it); the tail only in the evictor, under that lock as well when it maps
-//!   chunks afresh (`Engine::pass_tail`).
+//!   staging for it); the tail only in the evictor, under that lock too (`Engine::pass_tail`:
+//!   the chunks it maps afresh must not be the head's meanwhile).
 //! - Slots behind the tail hold nothing: each whole chunk of them (see [`CHUNK_SLOTS`]) is
 //!   mapped afresh as the tail passes it, unless the head has come round to it already.
 
