@@ -604,13 +604,24 @@ fn pinned_io(
     fd: c_int,
     buf: *const c_void,
     len: usize,
+    call: impl FnMut(usize, usize) -> ssize_t,
+) -> ssize_t {
+    pinned_chunks(buf, len, |chunk| len > chunk && is_regular(fd), call)
+}
+
+/// [`pinned_io`], where `may_loop(chunk)` says whether chunks continue after the first (asked
+/// only when the buffer is managed).
+fn pinned_chunks(
+    buf: *const c_void,
+    len: usize,
+    may_loop: impl FnOnce(usize) -> bool,
     mut call: impl FnMut(usize, usize) -> ssize_t,
 ) -> ssize_t {
     let Some(e) = touches_managed(buf, len) else {
         return call(0, len);
     };
     let chunk = IO_CHUNK.load(Ordering::Relaxed);
-    let may_loop = len > chunk && is_regular(fd);
+    let may_loop = may_loop(chunk);
     let mut done = 0usize;
     loop {
         let n = (len - done).min(chunk);
@@ -697,27 +708,13 @@ pub unsafe extern "C" fn getrandom(buf: *mut c_void, n: size_t, flags: libc::c_u
         "getrandom",
         unsafe extern "C" fn(*mut c_void, size_t, libc::c_uint) -> ssize_t
     );
-    let Some(e) = touches_managed(buf, n) else {
-        // SAFETY: the program's call, passed through.
-        return unsafe { f(buf, n, flags) };
-    };
-    let chunk = IO_CHUNK.load(Ordering::Relaxed);
-    let mut done = 0usize;
-    loop {
-        let len = (n - done).min(chunk);
-        let r = {
-            let _pin = e.pin(buf as usize + done, len);
-            // SAFETY: a piece of the program's buffer, pinned.
-            unsafe { f((buf as usize + done) as *mut c_void, len, flags) }
-        };
-        if r < 0 {
-            return if done > 0 { done as ssize_t } else { r };
-        }
-        done += r as usize;
-        if (r as usize) < len || done >= n {
-            return done as ssize_t;
-        }
-    }
+    // SAFETY: the program's buffer, passed through in pieces.
+    pinned_chunks(
+        buf,
+        n,
+        |_| true,
+        |o, l| unsafe { f((buf as usize + o) as *mut c_void, l, flags) },
+    )
 }
 
 #[no_mangle]

@@ -347,15 +347,13 @@ impl Engine {
         if !self.stage_in_faults
             || self.pause.load(Ordering::Acquire)
             || self.detached.load(Ordering::Acquire)
+            || self.fault_staging_idle.load(Ordering::Acquire)
         {
             return;
         }
         let wm = self.quota.wm();
         let inactive = self.ring.staged.load(Ordering::Acquire);
         if inactive >= wm.inactive_target || !wm.near_quota(self.quota.held()) {
-            return;
-        }
-        if self.fault_staging_idle.load(Ordering::Acquire) {
             return;
         }
         let mut staging = match self.staging.try_lock() {
@@ -389,7 +387,7 @@ impl Engine {
     /// each is the evictor's now.
     pub(super) fn adopt_orphans(&self) {
         while let Some(p) = self.orphans.take() {
-            self.handle_unmovable(p);
+            self.unmovable(p, self.presence(self.addr_of(p)), false);
         }
     }
 
@@ -418,11 +416,11 @@ impl Engine {
         if !self.locked.load(Ordering::Acquire) {
             // Unlocked memory may have been swapped out by Linux: only pages in DRAM move.
             victims.retain(|&p| {
-                let present = self.presence(self.addr_of(p)) == sys::Presence::Present;
-                if !present {
-                    self.unmovable(p, in_fault);
+                let presence = self.presence(self.addr_of(p));
+                if presence != sys::Presence::Present {
+                    self.unmovable(p, presence, in_fault);
                 }
-                present
+                presence == sys::Presence::Present
             });
         }
         // Victims are in address order: move runs of neighbours in one call each.
@@ -474,7 +472,7 @@ impl Engine {
                         .store(RING_EMPTY, Ordering::Release);
                     // Why did it stay? (Each page is asked: one that is not there at all
                     // must not be taken for mapped.)
-                    self.unmovable(p, in_fault);
+                    self.unmovable(p, self.presence(self.addr_of(p)), in_fault);
                 }
             }
             self.ring.set_head(head + n as u64);
@@ -488,36 +486,25 @@ impl Engine {
         moved_total
     }
 
-    /// [`handle_unmovable`](Self::handle_unmovable), or from a fault, for a page that is gone,
-    /// leaves it to the evictor.
-    fn unmovable(&self, p: usize, in_fault: bool) {
-        // Asked once: a page found there and published mapped takes no lock, whatever a zap
-        // racing with this does.
-        let presence = self.presence(self.addr_of(p));
-        if in_fault && presence == sys::Presence::Absent {
-            self.orphans.leave(p);
-            Counters::bump(&self.counters.fault_stage_orphans);
-            self.bell.ring();
-        } else {
-            self.unmovable_as(p, presence);
-        }
-    }
-
-    /// A mapped page that UFFDIO_MOVE refused. Nothing there: the program zapped it without
-    /// telling us (it reads as zeros now); anything else (swapped out by Linux, shared after
-    /// fork, pinned by the kernel for I/O): it stays mapped.
-    fn handle_unmovable(&self, p: usize) {
-        self.unmovable_as(p, self.presence(self.addr_of(p)));
-    }
-
-    /// [`handle_unmovable`](Self::handle_unmovable), with the page found `presence`.
-    fn unmovable_as(&self, p: usize, presence: sys::Presence) {
-        if presence == sys::Presence::Absent {
-            self.forget_copy(p);
-            self.quota.unreserve(1);
-            self.pt.publish(p, State::Unpopulated, None);
-        } else {
-            self.pt.publish(p, State::Mapped, None);
+    /// A mapped page that UFFDIO_MOVE refused, found `presence` (read once by the caller: a
+    /// page found there and published mapped takes no lock, whatever a zap racing with this
+    /// does). Nothing there: the program zapped it without telling us (it reads as zeros
+    /// now), and from a fault (`in_fault`) it is left to the evictor ([`Orphans`]: freeing
+    /// its copy takes locks); anything else (swapped out by Linux, shared after fork, pinned
+    /// by the kernel for I/O): it stays mapped.
+    fn unmovable(&self, p: usize, presence: sys::Presence, in_fault: bool) {
+        match presence {
+            sys::Presence::Absent if in_fault => {
+                self.orphans.leave(p);
+                Counters::bump(&self.counters.fault_stage_orphans);
+                self.bell.ring();
+            }
+            sys::Presence::Absent => {
+                self.forget_copy(p);
+                self.quota.unreserve(1);
+                self.pt.publish(p, State::Unpopulated, None);
+            }
+            _ => self.pt.publish(p, State::Mapped, None),
         }
     }
 
