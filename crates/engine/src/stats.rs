@@ -408,6 +408,10 @@ pub struct Snapshot {
     pub handlers_disarmed: u64,
     #[serde(default)]
     pub handlers_armed: u64,
+    /// Faults whose thread's CPU a handler took to be its own without reading it: the
+    /// thread faulted back to back there.
+    #[serde(default)]
+    pub handler_cpu_reads_skipped: u64,
     pub tier_read_latency_p50_us: f64,
     pub tier_read_latency_p99_us: f64,
     pub fault_tier_latency_p50_us: f64,

@@ -1,8 +1,9 @@
 //! Handler threads follow the program's threads: while a program thread faults on one CPU
 //! only, the handler on the other CPU stops waiting on the userfaultfd (each fault would wake
 //! it for nothing), and it waits there again as soon as a fault comes from a thread on its
-//! CPU. Every page read back holds its stamp throughout. With following off, no handler
-//! ever stands aside.
+//! CPU. A thread faulting back to back on one CPU is taken to be there without reading its
+//! CPU each time. Every page read back holds its stamp throughout. With following off, no
+//! handler ever stands aside.
 
 use memtide_engine::threads::{
     allowed_cpus, gettid, note_program_thread, pin_to_cpu, program_thread_cpu,
@@ -26,6 +27,8 @@ struct Outcome {
     first: (u64, u64),
     second: (u64, u64),
     tier_faults: u64,
+    /// Faults whose thread's CPU the serving handler took to be its own without reading it.
+    cpu_reads_skipped: u64,
     wrong: usize,
 }
 
@@ -66,12 +69,21 @@ fn run(name: &str, follow: bool, cpus: (usize, usize)) -> Outcome {
         first: (s1.handlers_disarmed, s1.handlers_armed),
         second: (s2.handlers_disarmed, s2.handlers_armed),
         tier_faults: s2.faults_tier - s0.faults_tier,
+        cpu_reads_skipped: s2.handler_cpu_reads_skipped - s0.handler_cpu_reads_skipped,
         wrong,
     };
     eprintln!(
         "follow {follow}: {} tier faults; after CPU {}: {} disarmed, {} armed; after CPU {}: \
-         {} disarmed, {} armed; {} pages read back wrong",
-        o.tier_faults, cpus.0, o.first.0, o.first.1, cpus.1, o.second.0, o.second.1, o.wrong
+         {} disarmed, {} armed; {} CPU reads skipped; {} pages read back wrong",
+        o.tier_faults,
+        cpus.0,
+        o.first.0,
+        o.first.1,
+        cpus.1,
+        o.second.0,
+        o.second.1,
+        o.cpu_reads_skipped,
+        o.wrong
     );
     o
 }
@@ -113,6 +125,10 @@ fn handlers_stand_aside_while_the_program_faults_elsewhere() {
         on.second.0 > on.first.0,
         "and the first CPU's handler stands aside in turn"
     );
+    assert!(
+        on.cpu_reads_skipped > 0,
+        "a thread faulting back to back on one CPU is taken to be there without a read"
+    );
 
     let off = run("follow-off", false, pair);
     assert_eq!(off.wrong, 0, "every page reads back its stamp");
@@ -121,4 +137,5 @@ fn handlers_stand_aside_while_the_program_faults_elsewhere() {
         (0, 0),
         "with following off every handler waits on the userfaultfd"
     );
+    assert_eq!(off.cpu_reads_skipped, 0, "and no thread's CPU is read");
 }

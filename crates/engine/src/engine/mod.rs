@@ -759,6 +759,7 @@ impl Engine {
             tier_reads_slept,
             handlers_disarmed: self.follow.disarms(),
             handlers_armed: self.follow.arms(),
+            handler_cpu_reads_skipped: self.follow.cpu_reads_skipped(),
             tier_read_latency_p50_us: c.tier_read_latency.quantile_us(0.5),
             tier_read_latency_p99_us: c.tier_read_latency.quantile_us(0.99),
             fault_tier_latency_p50_us: c.fault_tier_latency.quantile_us(0.5),
