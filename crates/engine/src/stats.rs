@@ -146,6 +146,8 @@ pub struct Counters {
     pub compressed_moves: AtomicU64,
     /// Faults on an inactive page still in DRAM (promoted back without I/O).
     pub faults_inactive: AtomicU64,
+    /// Of those, pages copied back rather than moved (see `Config::copy_inactive_hits`).
+    pub faults_inactive_copied: AtomicU64,
     /// Faults that waited for another thread's move of the same page.
     pub faults_wait: AtomicU64,
     /// Pages the kernel moved out of DRAM although it reported the move as failed (found by
@@ -242,6 +244,7 @@ impl Counters {
             &self.compressed_compactions,
             &self.compressed_moves,
             &self.faults_inactive,
+            &self.faults_inactive_copied,
             &self.faults_wait,
             &self.moves_underreported,
             &self.readahead_pages,
@@ -348,6 +351,9 @@ pub struct Snapshot {
     #[serde(default)]
     pub faults_compressed: u64,
     pub faults_inactive: u64,
+    /// Of `faults_inactive`, pages copied back rather than moved.
+    #[serde(default)]
+    pub faults_inactive_copied: u64,
     pub faults_wait: u64,
     pub moves_underreported: u64,
     pub readahead_pages: u64,

@@ -499,7 +499,7 @@ fn main() {
 
 fn counts(world: &World, snap: &memtide_engine::Snapshot) -> String {
     format!(
-        "ops {} forks {} mismatches {} | faults zero {} tier {} (pool {}) inactive {} wait {} | pool: {} stored, {} same, {} rejected, {} untried, {} written back, {} steps up, {} down, {} moved by {} compactions | demotions {} (clean {}, zero {}), staged by faults {} | moves underreported {} | handlers disarmed {}, armed {} | tier errors {}, mismatched reads {} | peak DRAM {} KiB of {} KiB quota",
+        "ops {} forks {} mismatches {} | faults zero {} tier {} (pool {}) inactive {} ({} copied back) wait {} | pool: {} stored, {} same, {} rejected, {} untried, {} written back, {} steps up, {} down, {} moved by {} compactions | demotions {} (clean {}, zero {}), staged by faults {} | moves underreported {} | handlers disarmed {}, armed {} | tier errors {}, mismatched reads {} | peak DRAM {} KiB of {} KiB quota",
         world.ops.load(Ordering::Relaxed),
         world.forks.load(Ordering::Relaxed),
         world.mismatches.load(Ordering::Relaxed),
@@ -507,6 +507,7 @@ fn counts(world: &World, snap: &memtide_engine::Snapshot) -> String {
         snap.faults_tier,
         snap.faults_compressed,
         snap.faults_inactive,
+        snap.faults_inactive_copied,
         snap.faults_wait,
         snap.compressed_stores,
         snap.compressed_same,

@@ -213,11 +213,12 @@ pub fn print(program: &str, status: &str, c: &Collected) {
         String::new()
     };
     eprintln!(
-        "  faults   {} first-touch pages, {} from the pool{pool}, {} from tier 1{lat}, {} inactive hits (no I/O), {} waited on a page in flight",
+        "  faults   {} first-touch pages, {} from the pool{pool}, {} from tier 1{lat}, {} inactive hits (no I/O; {} copied back), {} waited on a page in flight",
         s.faults_zero,
         s.faults_compressed,
         s.faults_tier - s.faults_compressed.min(s.faults_tier),
         s.faults_inactive,
+        s.faults_inactive_copied,
         s.faults_wait
     );
     eprintln!(

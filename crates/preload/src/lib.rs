@@ -163,6 +163,7 @@ fn engine_or_start() -> Option<&'static Engine> {
     cfg.policy = s.policy;
     cfg.track_writes = std::env::var_os("MEMTIDE_TRACK_WRITES").is_none_or(|v| v != "0");
     cfg.stage_in_faults = std::env::var_os("MEMTIDE_STAGE_IN_FAULTS").is_none_or(|v| v != "0");
+    cfg.copy_inactive_hits = std::env::var_os("MEMTIDE_COPY_INACTIVE").is_none_or(|v| v != "0");
     cfg.poll_reads = std::env::var_os("MEMTIDE_POLL_READS").is_none_or(|v| v != "0");
     cfg.follow_threads = std::env::var_os("MEMTIDE_FOLLOW_THREADS").is_none_or(|v| v != "0");
     cfg.encrypt_tier = s.encrypt_tier;

@@ -16,6 +16,7 @@ use memtide_policy::ahead::{readahead_window, zero_fill, Pairs, READAHEAD, ZERO_
 use memtide_policy::{Activeness, PAGE_SIZE};
 
 use super::fatal::{fatal, fatal_with, presence_code};
+use super::ring::RING_DEAD;
 use super::{Engine, Event, Fault};
 use crate::pages::{State, TierCopy, Word, NONE};
 use crate::stats::Counters;
@@ -339,15 +340,45 @@ impl Engine {
         }
     }
 
-    /// A touch of an inactive page: move it back from its staging slot. It is hot.
+    /// A touch of an inactive page: bring it back from its staging slot. It is hot.
+    ///
+    /// Copied where the quota has room for a second page (`Config::copy_inactive_hits`): the
+    /// slot is left dead, holding its DRAM until the evictor's tail passes it and zaps it with
+    /// its neighbours in one flush. Otherwise moved, which flushes the slot's translation on
+    /// every other CPU running the program's threads, though none of them has used it.
     fn reactivate(&self, p: usize) -> bool {
+        let copy = self.copy_inactive_hits && self.quota.try_reserve(1, &self.bell, &self.counters);
         let Some(old) = self.pt.claim(p, State::Staged, false) else {
+            if copy {
+                self.quota.unreserve(1);
+            }
             return false;
         };
         let s = self.pt.stage(p);
-        self.unstage(p, s, old, "moving an inactive page back failed");
+        if copy {
+            // SAFETY: a staged page's slot holds its bytes (mapped, or swapped out by Linux,
+            // which the kernel's copy reads back in); page p is ours and missing.
+            unsafe {
+                self.fill(
+                    p,
+                    self.ring.addr(s),
+                    1,
+                    false,
+                    "copying an inactive page back failed",
+                )
+            };
+            // The slot still holds DRAM (counted in `staged` and the quota) until the tail
+            // passes it. Marked before the page is published: the evictor, waiting on the page
+            // at the tail, then finds the slot dead.
+            self.ring
+                .entry(s as u64)
+                .store(RING_DEAD, Ordering::Release);
+            Counters::bump(&self.counters.faults_inactive_copied);
+        } else {
+            self.unstage(p, s, old, "moving an inactive page back failed");
+            self.ring.staged.fetch_sub(1, Ordering::AcqRel);
+        }
         self.pt.set_stage(p, NONE);
-        self.ring.staged.fetch_sub(1, Ordering::AcqRel);
         self.note(p, Event::HintFault);
         self.pt.prove(p);
         self.pt

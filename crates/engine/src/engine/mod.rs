@@ -15,7 +15,8 @@
 //! ```text
 //!  Unpopulated --first touch (zero-fill, 16-page chunks)--> Mapped
 //!  Mapped --evictor: UFFDIO_MOVE to a staging slot--> Staged      (the inactive list)
-//!  Staged --program touches it: UFFDIO_MOVE back--> Mapped        (a hint fault: it is hot)
+//!  Staged --program touches it: UFFDIO_COPY back (the slot dead until the tail), or
+//!         UFFDIO_MOVE back--> Mapped                           (a hint fault: it is hot)
 //!  Staged --evictor: compress into the pool, or write to tier 1 (or drop if clean/zero)
 //!         --> Evicted (or Unpopulated)
 //!  Evicted --program touches it: decompress from the pool or read tier 1, UFFDIO_COPY
@@ -128,6 +129,13 @@ pub struct Config {
     /// threads never stage: there the fault waits for the staging and for a wake-up both, and
     /// it was slower than the flushes it saved.
     pub stage_in_faults: bool,
+    /// Let a touch of an inactive page (under the CLOCK sweep) copy it back from its staging
+    /// slot, which then holds its DRAM until the evictor's tail passes it, rather than move
+    /// it: a move flushes the slot's translation on every other CPU running the program's
+    /// threads (an interrupt each, about 20 µs per hint fault with handler threads here),
+    /// while the tail releases its slots in runs, one flush per run. Only while the quota has
+    /// room for the copy. On by default; `MEMTIDE_COPY_INACTIVE=0` turns it off.
+    pub copy_inactive_hits: bool,
     /// Let a fault poll for its tier read's completion before sleeping (up to twice the
     /// device's usual read time; after a poll was preempted, the next reads sleep: see
     /// `tier::uring::ReadPoll`). On by default; `MEMTIDE_POLL_READS=0` turns it off.
@@ -168,6 +176,7 @@ impl Config {
             policy: EvictionPolicy::Sweep,
             track_writes: true,
             stage_in_faults: true,
+            copy_inactive_hits: true,
             poll_reads: true,
             follow_threads: true,
             compress: Compress::Lz4,
@@ -272,6 +281,9 @@ pub struct Engine {
     /// Whether faults stage pages for the evictor (`Config::stage_in_faults`: CLOCK sweep,
     /// faults resolved in the faulting thread).
     stage_in_faults: bool,
+    /// Whether touches of inactive pages copy them back (`Config::copy_inactive_hits`: the
+    /// CLOCK sweep, whose tail passes every slot in order).
+    copy_inactive_hits: bool,
     /// Set when a fault found nothing to stage within its reach; the evictor clears it each
     /// round.
     fault_staging_idle: AtomicBool,
@@ -447,6 +459,7 @@ impl Engine {
             stage_in_faults: cfg.stage_in_faults
                 && cfg.policy == EvictionPolicy::Sweep
                 && cfg.faults == Delivery::Signal,
+            copy_inactive_hits: cfg.copy_inactive_hits && !needs.staged_out_of_order,
             fault_staging_idle: AtomicBool::new(false),
             orphans: evict::Orphans::new(),
             staged_out_of_order: needs.staged_out_of_order,
@@ -731,6 +744,7 @@ impl Engine {
             faults_tier: r(&c.faults_tier),
             faults_compressed: r(&c.faults_compressed),
             faults_inactive: r(&c.faults_inactive),
+            faults_inactive_copied: r(&c.faults_inactive_copied),
             faults_wait: r(&c.faults_wait),
             moves_underreported: r(&c.moves_underreported),
             readahead_pages: r(&c.readahead_pages),

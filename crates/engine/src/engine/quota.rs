@@ -147,6 +147,26 @@ impl Quota {
     }
 
     /// Gives back `n` pages of DRAM (reserved and not used, or released).
+    /// Reserves DRAM for `n` pages if the quota has room now, without waiting: whether it
+    /// did.
+    pub(super) fn try_reserve(&self, n: u64, bell: &Doorbell, c: &Counters) -> bool {
+        let wm = self.wm();
+        let r =
+            self.resident.fetch_add(n, Ordering::AcqRel) + n + self.pool.load(Ordering::Acquire);
+        if wm.over_high(r) {
+            bell.ring();
+        }
+        if r <= wm.hard_limit()
+            || self.overcommit.load(Ordering::Acquire)
+            || self.unlimited.load(Ordering::Relaxed)
+        {
+            Counters::peak(&c.peak_resident_pages, r);
+            return true;
+        }
+        self.resident.fetch_sub(n, Ordering::AcqRel);
+        false
+    }
+
     pub(super) fn unreserve(&self, n: u64) {
         if n > 0 {
             self.resident.fetch_sub(n, Ordering::AcqRel);
