@@ -8,17 +8,13 @@ use memtide_engine::{Delivery, Engine, EvictionPolicy};
 
 mod common;
 
-use common::{config, scratch, start, Rng, PAGE};
+use common::{config, round_stamp, scratch, start, Rewrites, Rng, PAGE};
 
 /// 16 MiB of DRAM under a block of 64 MiB.
 const QUOTA: u64 = 16 << 20;
 const PAGES: usize = 16 << 10;
 /// Steps: each reads one page at random, checks its stamp and writes the next one.
 const STEPS: usize = 60_000;
-
-fn stamp(i: usize, round: u32) -> u64 {
-    ((i as u64) << 32 | round as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1
-}
 
 struct Outcome {
     deactivations: u64,
@@ -35,39 +31,14 @@ fn run(name: &str, faults: Delivery, stage_in_faults: bool) -> Outcome {
     cfg.stage_in_faults = stage_in_faults;
     let e: &Engine = start(&cfg);
     let base = e.alloc(PAGES * PAGE, PAGE).unwrap();
-    // Stamps at both ends of each page, so that a page that lost a write or came back as
-    // another page's bytes reads wrong.
-    let at = |i: usize, k: usize| (base + i * PAGE + k * (PAGE - 8)) as *mut u64;
-    let mut round = vec![0u32; PAGES];
-    for i in 0..PAGES {
-        for k in 0..2 {
-            // SAFETY: managed memory we own.
-            unsafe { at(i, k).write_volatile(stamp(i, 0)) };
-        }
-    }
+    let mut pages = Rewrites::new(base, PAGES);
     let s0 = e.snapshot();
     let mut rng = Rng(0xFA17);
     let mut wrong = 0;
     for _ in 0..STEPS {
-        let i = rng.below(PAGES);
-        for k in 0..2 {
-            // SAFETY: as above.
-            unsafe {
-                wrong += (at(i, k).read_volatile() != stamp(i, round[i])) as usize;
-            }
-        }
-        round[i] += 1;
-        for k in 0..2 {
-            // SAFETY: as above.
-            unsafe { at(i, k).write_volatile(stamp(i, round[i])) };
-        }
+        wrong += pages.step(rng.below(PAGES));
     }
-    for (i, &r) in round.iter().enumerate() {
-        for k in 0..2 {
-            // SAFETY: as above.
-            wrong += (unsafe { at(i, k).read_volatile() } != stamp(i, r)) as usize;
-        }
-    }
+    wrong += pages.check_all();
     let s1 = e.snapshot();
     e.audit()
         .unwrap_or_else(|err| panic!("{name}: the page table agrees with the hardware one: {err}"));
@@ -133,13 +104,13 @@ fn a_page_zapped_behind_the_engines_back_is_left_to_the_evictor() {
     let word = |i: usize| (base + i * PAGE) as *mut u64;
     for i in 0..PAGES {
         // SAFETY: managed memory we own.
-        unsafe { word(i).write_volatile(stamp(i, 0)) };
+        unsafe { word(i).write_volatile(round_stamp(i, 0)) };
     }
     // Bring the first pages back (each keeps its copy below DRAM), then zap them with a raw
     // madvise the engine does not see (MADV_DONTNEED_LOCKED: managed memory is locked).
     for i in 0..ZAPPED {
         // SAFETY: as above.
-        assert_eq!(unsafe { word(i).read_volatile() }, stamp(i, 0));
+        assert_eq!(unsafe { word(i).read_volatile() }, round_stamp(i, 0));
     }
     // With eviction paused (faults do not stage then either), the pages mapped now are those
     // the zap takes; a page already unmapped keeps its bytes in the engine's care.
@@ -171,7 +142,7 @@ fn a_page_zapped_behind_the_engines_back_is_left_to_the_evictor() {
         for _ in 0..1000 {
             let i = ZAPPED + rng.below(PAGES - ZAPPED);
             // SAFETY: as above.
-            wrong += (unsafe { word(i).read_volatile() } != stamp(i, 0)) as usize;
+            wrong += (unsafe { word(i).read_volatile() } != round_stamp(i, 0)) as usize;
         }
     }
     let s = e.snapshot();
@@ -185,7 +156,7 @@ fn a_page_zapped_behind_the_engines_back_is_left_to_the_evictor() {
         "faults met zapped pages and left them to the evictor"
     );
     for (i, &z) in zapped.iter().enumerate() {
-        let want = if z { 0 } else { stamp(i, 0) };
+        let want = if z { 0 } else { round_stamp(i, 0) };
         // SAFETY: as above.
         let got = unsafe { word(i).read_volatile() };
         assert_eq!(got, want, "page {i} (zapped: {z})");

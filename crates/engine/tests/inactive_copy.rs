@@ -11,7 +11,7 @@ use memtide_engine::{Delivery, Engine, EvictionPolicy};
 
 mod common;
 
-use common::{config, scratch, start, Rng, PAGE};
+use common::{config, scratch, start, Rewrites, Rng, PAGE};
 
 /// 16 MiB of DRAM under a block of 64 MiB.
 const QUOTA: u64 = 16 << 20;
@@ -20,10 +20,6 @@ const PAGES: usize = 16 << 10;
 const HOT: usize = (QUOTA as usize) / PAGE;
 /// Steps: each reads one page, checks its stamp and writes the next one.
 const STEPS: usize = 150_000;
-
-fn stamp(i: usize, round: u32) -> u64 {
-    ((i as u64) << 32 | round as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1
-}
 
 struct Outcome {
     inactive: u64,
@@ -39,16 +35,7 @@ fn run(name: &str, faults: Delivery, copy: bool) -> Outcome {
     cfg.copy_inactive_hits = copy;
     let e: &Engine = start(&cfg);
     let base = e.alloc(PAGES * PAGE, PAGE).unwrap();
-    // Stamps at both ends of each page, so that a page that lost a write or came back as
-    // another page's bytes reads wrong.
-    let at = |i: usize, k: usize| (base + i * PAGE + k * (PAGE - 8)) as *mut u64;
-    let mut round = vec![0u32; PAGES];
-    for i in 0..PAGES {
-        for k in 0..2 {
-            // SAFETY: managed memory we own.
-            unsafe { at(i, k).write_volatile(stamp(i, 0)) };
-        }
-    }
+    let mut pages = Rewrites::new(base, PAGES);
     let s0 = e.snapshot();
     let mut rng = Rng(0xC0B1);
     let mut wrong = 0;
@@ -59,24 +46,9 @@ fn run(name: &str, faults: Delivery, copy: bool) -> Outcome {
         } else {
             rng.below(PAGES)
         };
-        for k in 0..2 {
-            // SAFETY: as above.
-            unsafe {
-                wrong += (at(i, k).read_volatile() != stamp(i, round[i])) as usize;
-            }
-        }
-        round[i] += 1;
-        for k in 0..2 {
-            // SAFETY: as above.
-            unsafe { at(i, k).write_volatile(stamp(i, round[i])) };
-        }
+        wrong += pages.step(i);
     }
-    for (i, &r) in round.iter().enumerate() {
-        for k in 0..2 {
-            // SAFETY: as above.
-            wrong += (unsafe { at(i, k).read_volatile() } != stamp(i, r)) as usize;
-        }
-    }
+    wrong += pages.check_all();
     let s1 = e.snapshot();
     e.audit()
         .unwrap_or_else(|err| panic!("{name}: the page table agrees with the hardware one: {err}"));

@@ -30,6 +30,69 @@ pub fn read_stamp(base: usize, i: usize) -> u64 {
     unsafe { ((base + i * PAGE + PAGE - 8) as *const u64).read_volatile() }
 }
 
+/// Page `i`'s stamp after `round` rewrites (see [`Rewrites`]).
+pub fn round_stamp(i: usize, round: u32) -> u64 {
+    ((i as u64) << 32 | round as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1
+}
+
+/// The pages of a managed block, each stamped at both ends with its number and how many times
+/// it was rewritten, so that a page that lost a write or came back as another page's bytes
+/// reads wrong.
+pub struct Rewrites {
+    base: usize,
+    round: Vec<u32>,
+}
+
+impl Rewrites {
+    /// Stamps each of the `pages` pages of the managed block at `base` (round 0).
+    pub fn new(base: usize, pages: usize) -> Rewrites {
+        let r = Rewrites {
+            base,
+            round: vec![0; pages],
+        };
+        for i in 0..pages {
+            r.write(i);
+        }
+        r
+    }
+
+    fn at(&self, i: usize, end: usize) -> *mut u64 {
+        (self.base + i * PAGE + end * (PAGE - 8)) as *mut u64
+    }
+
+    fn write(&self, i: usize) {
+        for end in 0..2 {
+            // SAFETY: the caller's block is managed memory it owns.
+            unsafe {
+                self.at(i, end)
+                    .write_volatile(round_stamp(i, self.round[i]))
+            };
+        }
+    }
+
+    /// Stamps of page `i` that read wrong (0 to 2).
+    fn wrong(&self, i: usize) -> usize {
+        let want = round_stamp(i, self.round[i]);
+        // SAFETY: as in write.
+        (0..2)
+            .filter(|&end| unsafe { self.at(i, end).read_volatile() } != want)
+            .count()
+    }
+
+    /// Checks page `i`'s stamps and rewrites it with the next round's: how many read wrong.
+    pub fn step(&mut self, i: usize) -> usize {
+        let wrong = self.wrong(i);
+        self.round[i] += 1;
+        self.write(i);
+        wrong
+    }
+
+    /// Checks every page's stamps: how many read wrong.
+    pub fn check_all(&self) -> usize {
+        (0..self.round.len()).map(|i| self.wrong(i)).sum()
+    }
+}
+
 /// A tier directory removed when the test ends.
 pub struct Scratch(pub PathBuf);
 
