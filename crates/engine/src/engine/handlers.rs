@@ -320,12 +320,15 @@ impl Engine {
                 } else {
                     // (poll(2) cannot say whether a blocking userfaultfd has a message.)
                     std::thread::sleep(std::time::Duration::from_micros(100));
+                    known = Known::NONE;
                 }
             }
             let mut waited = false;
             let n = if follow && n_held == 0 {
                 if !self.follow.armed(k) {
+                    // After a sleep, the next fault may come from anywhere.
                     self.follow.wait_armed(k);
+                    known = Known::NONE;
                     continue;
                 }
                 // The descriptor is non-blocking. Serving faults back to back, the next one
@@ -335,6 +338,7 @@ impl Engine {
                 match self.read_faults(&mut faults, true) {
                     0 => {
                         if !self.uffd.wait_readable(RECHECK_MS) {
+                            known = Known::NONE;
                             continue;
                         }
                         waited = true;

@@ -146,9 +146,9 @@ impl Quota {
         }
     }
 
-    /// Gives back `n` pages of DRAM (reserved and not used, or released).
     /// Reserves DRAM for `n` pages if the quota has room now, without waiting: whether it
-    /// did.
+    /// did. Never beyond the hard limit, overcommitted or not: a caller that can do without
+    /// the pages (a hint fault that can move its page instead of copying it) does.
     pub(super) fn try_reserve(&self, n: u64, bell: &Doorbell, c: &Counters) -> bool {
         let wm = self.wm();
         let r =
@@ -156,10 +156,7 @@ impl Quota {
         if wm.over_high(r) {
             bell.ring();
         }
-        if r <= wm.hard_limit()
-            || self.overcommit.load(Ordering::Acquire)
-            || self.unlimited.load(Ordering::Relaxed)
-        {
+        if r <= wm.hard_limit() {
             Counters::peak(&c.peak_resident_pages, r);
             return true;
         }
@@ -167,6 +164,7 @@ impl Quota {
         false
     }
 
+    /// Gives back `n` pages of DRAM (reserved and not used, or released).
     pub(super) fn unreserve(&self, n: u64) {
         if n > 0 {
             self.resident.fetch_sub(n, Ordering::AcqRel);
@@ -190,5 +188,35 @@ impl Quota {
     /// No quota from now on (the memory is no longer tiered).
     pub(super) fn lift(&self) {
         self.unlimited.store(true, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reservation_tried_stops_at_the_hard_limit_even_overcommitted() {
+        let q = Quota::new(1024, Arc::new(AtomicU64::new(0)));
+        let (bell, c) = (Doorbell::default(), Counters::default());
+        let limit = q.wm().hard_limit();
+        assert!(q.try_reserve(limit, &bell, &c), "room up to the hard limit");
+        assert!(!q.try_reserve(1, &bell, &c), "none beyond it");
+        assert_eq!(
+            q.resident(),
+            limit,
+            "a refused reservation leaves nothing held"
+        );
+        // Overcommitted (eviction cannot make room), a fault that must have a page still gets
+        // one; one that can do without does not.
+        q.set_overcommit(true);
+        q.reserve(1, &bell, &c);
+        assert_eq!(q.resident(), limit + 1);
+        assert!(!q.try_reserve(1, &bell, &c), "not even overcommitted");
+        q.unreserve(limit + 1);
+        assert!(
+            q.try_reserve(1, &bell, &c),
+            "room again once pages are given back"
+        );
     }
 }
