@@ -113,30 +113,12 @@ impl Quota {
 
     /// Reserves DRAM for `n` pages, waiting for the evictor if the quota is used up.
     pub(super) fn reserve(&self, n: u64, bell: &Doorbell, c: &Counters) {
-        loop {
-            let wm = self.wm();
-            let limit = wm.hard_limit();
-            let r = self.resident.fetch_add(n, Ordering::AcqRel)
-                + n
-                + self.pool.load(Ordering::Acquire);
-            if wm.over_high(r) {
-                bell.ring();
-            }
-            if r <= limit
-                || self.overcommit.load(Ordering::Acquire)
-                || self.unlimited.load(Ordering::Relaxed)
-            {
-                Counters::peak(&c.peak_resident_pages, r);
-                if r > limit {
-                    Counters::add(&c.quota_overruns, n);
-                }
-                return;
-            }
-            self.resident.fetch_sub(n, Ordering::AcqRel);
+        while !self.admit(n, bell, c, true) {
             let seen = self.freed.load(Ordering::Acquire);
             Counters::bump(&c.quota_waits);
             self.waiters.fetch_add(1, Ordering::AcqRel);
-            if self.held() + n > limit && !self.overcommit.load(Ordering::Acquire) {
+            if self.held() + n > self.wm().hard_limit() && !self.overcommit.load(Ordering::Acquire)
+            {
                 bell.ring();
                 let t0 = sys::now_ns();
                 sys::futex_wait(&self.freed, seen, 10_000_000);
@@ -150,14 +132,29 @@ impl Quota {
     /// did. Never beyond the hard limit, overcommitted or not: a caller that can do without
     /// the pages (a hint fault that can move its page instead of copying it) does.
     pub(super) fn try_reserve(&self, n: u64, bell: &Doorbell, c: &Counters) -> bool {
+        self.admit(n, bell, c, false)
+    }
+
+    /// Takes `n` pages if they fit under the hard limit, or beyond it when `may_overrun` and
+    /// the quota is overcommitted or lifted; rings the evictor once past the high mark.
+    /// Whether it took them.
+    fn admit(&self, n: u64, bell: &Doorbell, c: &Counters, may_overrun: bool) -> bool {
         let wm = self.wm();
+        let limit = wm.hard_limit();
         let r =
             self.resident.fetch_add(n, Ordering::AcqRel) + n + self.pool.load(Ordering::Acquire);
         if wm.over_high(r) {
             bell.ring();
         }
-        if r <= wm.hard_limit() {
+        if r <= limit
+            || may_overrun
+                && (self.overcommit.load(Ordering::Acquire)
+                    || self.unlimited.load(Ordering::Relaxed))
+        {
             Counters::peak(&c.peak_resident_pages, r);
+            if r > limit {
+                Counters::add(&c.quota_overruns, n);
+            }
             return true;
         }
         self.resident.fetch_sub(n, Ordering::AcqRel);
