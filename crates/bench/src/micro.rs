@@ -333,14 +333,34 @@ pub fn run(
         for &t in &m.threads {
             for (c, budget, _, _) in configs.iter().filter(|c| c.0.starts_with("memtide ")) {
                 let tp = med(w, t, c, &|r| r.throughput);
-                let vs: Vec<String> = ["zswap", "zram"]
+                if !tp.is_finite() {
+                    // Every run of this configuration failed: the table says so.
+                    continue;
+                }
+                let peers: Vec<(String, f64)> = ["zswap", "zram"]
                     .iter()
                     .map(|peer| format!("{peer} {:.0}%", budget * 100.0))
                     .filter(|peer| configs.iter().any(|c| &c.0 == peer))
-                    .map(|peer| format!("{:.2}x {peer}", tp / med(w, t, &peer, &|r| r.throughput)))
+                    .map(|peer| {
+                        let p = med(w, t, &peer, &|r| r.throughput);
+                        (peer, p)
+                    })
                     .collect();
+                // A peer every run of which failed (a median of none) has no ratio to give.
+                let (ran, none): (Vec<_>, Vec<_>) = peers.into_iter().partition(|(_, p)| *p > 0.0);
+                let vs: Vec<String> = ran
+                    .iter()
+                    .map(|(peer, p)| format!("{:.2}x {peer}", tp / p))
+                    .collect();
+                let none: Vec<&str> = none.iter().map(|(peer, _)| peer.as_str()).collect();
                 if !vs.is_empty() {
                     println!("({w} {t} thr: {c} runs at {})", vs.join(", "));
+                }
+                if !none.is_empty() {
+                    println!(
+                        "({w} {t} thr: no ratio of {c} to {}: no result)",
+                        none.join(", ")
+                    );
                 }
             }
         }
