@@ -161,11 +161,11 @@ fn engine_or_start() -> Option<&'static Engine> {
     cfg.arena_bytes = s.arena;
     cfg.faults = s.faults;
     cfg.policy = s.policy;
-    cfg.track_writes = std::env::var_os("MEMTIDE_TRACK_WRITES").is_none_or(|v| v != "0");
-    cfg.stage_in_faults = std::env::var_os("MEMTIDE_STAGE_IN_FAULTS").is_none_or(|v| v != "0");
-    cfg.copy_inactive_hits = std::env::var_os("MEMTIDE_COPY_INACTIVE").is_none_or(|v| v != "0");
-    cfg.poll_reads = std::env::var_os("MEMTIDE_POLL_READS").is_none_or(|v| v != "0");
-    cfg.follow_threads = std::env::var_os("MEMTIDE_FOLLOW_THREADS").is_none_or(|v| v != "0");
+    cfg.track_writes = switched_on("MEMTIDE_TRACK_WRITES");
+    cfg.stage_in_faults = switched_on("MEMTIDE_STAGE_IN_FAULTS");
+    cfg.copy_inactive_hits = switched_on("MEMTIDE_COPY_INACTIVE");
+    cfg.poll_reads = switched_on("MEMTIDE_POLL_READS");
+    cfg.follow_threads = switched_on("MEMTIDE_FOLLOW_THREADS");
     cfg.encrypt_tier = s.encrypt_tier;
     cfg.compress = s.compress;
     cfg.compressed_max_bytes = s.compressed_max;
@@ -201,6 +201,11 @@ fn engine_or_start() -> Option<&'static Engine> {
 }
 
 /// Reads the settings; called once from the library's constructor.
+/// Whether the engine's switch `name` is on: it is unless the variable is set to `0`.
+fn switched_on(name: &str) -> bool {
+    std::env::var_os(name).is_none_or(|v| v != "0")
+}
+
 fn load_settings() {
     // memtide's words go to the launcher from here on, never into the program's stderr.
     if let Some(dir) = Settings::stats_dir_from_env() {
